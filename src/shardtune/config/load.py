@@ -1,0 +1,159 @@
+"""Recipe loading: path or bundled name -> YAML + key=value overrides -> validated, frozen `Recipe`.
+
+Every failure becomes a `UserError` whose one line names the key or file and a fix.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import fields, is_dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
+
+from shardtune.config.schema import Recipe
+from shardtune.errors import UserError
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+RECIPES_DIR = PACKAGE_DIR / "recipes"
+# Keys that name files; relative values resolve against the recipe's folder, then the cwd, then the package.
+PATH_KEYS = ("model.config", "model.path", "model.tokenizer", "data.path")
+
+if not OmegaConf.has_resolver("now"):
+    OmegaConf.register_new_resolver("now", lambda fmt="%Y%m%d-%H%M%S": datetime.now().strftime(fmt))
+
+
+def list_bundled_recipes() -> dict[str, Path]:
+    """Name -> path for every YAML under recipes/, sub-folders included."""
+    return {p.stem: p for p in sorted(RECIPES_DIR.rglob("*.yaml"))}
+
+
+def resolve_recipe_path(recipe: str | Path) -> Path:
+    path = Path(recipe)
+    if path.is_file():
+        return path.resolve()
+    bundled = list_bundled_recipes()
+    if str(recipe) in bundled:
+        return bundled[str(recipe)]
+    hint = difflib.get_close_matches(str(recipe), bundled, n=1)
+    fix = f"did you mean '{hint[0]}'?" if hint else "run `shardtune recipes` to list bundled ones"
+    raise UserError(f"recipe '{recipe}' is neither a file nor a bundled recipe: {fix}")
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            out.extend(_all_keys(type(default), key + "."))
+    return out
+
+
+def recipe_keys() -> list[str]:
+    """Every dotted recipe key (the public surface; a test snapshots it)."""
+    return _all_keys(Recipe)
+
+
+def _friendly(err: Exception, source: str) -> UserError:
+    """Turn an OmegaConf/validation error into one line naming the key."""
+    key = getattr(err, "full_key", None) or ""
+    msg = str(err).splitlines()[0]
+    if isinstance(err, ConfigKeyError) or "not in" in msg or "Key '" in msg and "not" in msg:
+        bad = key or (re.findall(r"Key '([^']+)'", msg) or ["?"])[0]
+        hint = difflib.get_close_matches(bad, recipe_keys(), n=1)
+        fix = f"did you mean '{hint[0]}'?" if hint else "see `shardtune validate --help` for the keys"
+        return UserError(f"{source}: unknown recipe key '{bad}': {fix}")
+    if isinstance(err, InterpolationResolutionError):
+        return UserError(f"{source}: key '{key}': cannot resolve interpolation ({msg})")
+    if key:
+        return UserError(f"{source}: key '{key}': {msg}")
+    return UserError(f"{source}: {msg}")
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            raise UserError(f"override '{o}' is not KEY=VALUE: write e.g. train.lr=1e-4")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise UserError(f"overrides: {str(e).splitlines()[0]}: write KEY=VALUE, e.g. train.lr=1e-4") from None
+
+
+def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if value is None or str(value).startswith("builtin:"):
+            continue
+        p = Path(str(value)).expanduser()
+        candidates = [p] if p.is_absolute() else [Path.cwd() / p, recipe_dir / p, PACKAGE_DIR / p]
+        found = next((c for c in candidates if c.exists()), None)
+        if found is None:
+            raise UserError(f"{key}: file or folder '{value}' does not exist: fix the path (relative paths are "
+                            f"tried against the cwd, the recipe's folder and the package)")
+        OmegaConf.update(cfg, key, str(found.resolve()))
+
+
+def load_recipe_config(recipe: str | Path, overrides: list[str] = ()) -> DictConfig:
+    """The merged, interpolated, path-resolved and validated recipe as a DictConfig (for saving)."""
+    path = resolve_recipe_path(recipe)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]}): fix the syntax") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a recipe must be a YAML mapping of sections (model:, train:, ...)")
+    base = OmegaConf.structured(Recipe)
+    try:
+        cfg = OmegaConf.merge(base, OmegaConf.create(raw))
+    except OmegaConfBaseException as e:
+        raise _friendly(e, str(path)) from None
+    try:
+        cfg = OmegaConf.merge(cfg, _parse_overrides(list(overrides)))
+    except OmegaConfBaseException as e:
+        raise _friendly(e, "override") from None
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise _friendly(e, str(path)) from None
+    _resolve_paths(cfg, path.parent)
+    to_recipe(cfg, str(path))  # validates ranges and conflicts
+    return cfg
+
+
+def to_recipe(cfg: DictConfig, source: str = "recipe") -> Recipe:
+    try:
+        return OmegaConf.to_object(cfg)  # runs every __post_init__
+    except ValueError as e:  # our range checks, already "key: message"
+        raise UserError(f"{source}: {e}") from None
+    except OmegaConfBaseException as e:
+        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None
+        if cause is not None and not isinstance(cause, OmegaConfBaseException):
+            raise UserError(f"{source}: {cause}") from None
+        raise _friendly(e, source) from None
+
+
+def load_recipe(recipe: str | Path, overrides: list[str] = ()) -> Recipe:
+    return to_recipe(load_recipe_config(recipe, overrides), str(recipe))
+
+
+def to_yaml(cfg: DictConfig | Recipe) -> str:
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    return OmegaConf.to_yaml(cfg)
+
+
+def bundled_description(path: Path) -> str:
+    try:
+        data: Any = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        return "(invalid YAML)"
+    return str(data.get("description", "")) if isinstance(data, dict) else ""

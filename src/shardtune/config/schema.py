@@ -1,0 +1,177 @@
+"""The recipe schema: typed dataclasses, validated once. Nothing below this layer sees OmegaConf.
+
+Each field's docstring-style comment is the help text. `__post_init__` checks values that types cannot
+(ranges, conflicts) and raises ValueError naming the dotted key; `load.py` turns it into a UserError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{key}: {msg}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    config: Optional[str] = None  # HF config.json (architecture only); used with init=random
+    path: Optional[str] = None  # local HF checkpoint dir (config + safetensors [+ tokenizer])
+    tokenizer: Optional[str] = None  # local tokenizer dir/file; default: model.path
+    init: str = "random"  # random | pretrained
+    dtype: str = "fp32"  # fp32 | bf16: dtype the weights are built in before sharding
+    attn_implementation: str = "sdpa"  # sdpa | eager
+
+    def __post_init__(self) -> None:
+        _check(self.init in ("random", "pretrained"), "model.init", f"must be random or pretrained, got {self.init!r}")
+        _check(self.dtype in ("fp32", "bf16"), "model.dtype", f"must be fp32 or bf16, got {self.dtype!r}")
+        _check(self.attn_implementation in ("sdpa", "eager"), "model.attn_implementation",
+               f"must be sdpa or eager, got {self.attn_implementation!r}")
+        if self.init == "pretrained":
+            _check(self.path is not None, "model.path", "init=pretrained needs model.path=DIR (a local HF checkpoint)")
+        else:
+            _check(self.config is not None or self.path is not None, "model.config",
+                   "init=random needs model.config=FILE.json (or model.path=DIR with a config.json)")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    enabled: bool = False  # inject LoRA adapters (replicated) over a frozen, sharded base
+    r: int = 16  # adapter rank: memory and capacity grow with it
+    alpha: int = 32  # scale = alpha / r
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def __post_init__(self) -> None:
+        _check(self.r >= 1, "lora.r", f"must be >= 1, got {self.r}")
+        _check(0.0 <= self.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(len(self.target_modules) > 0, "lora.target_modules", "must name at least one module")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    backend: str = "shardtune"  # shardtune (our engine) | torch (PyTorch FSDP2 fully_shard, the A/B reference)
+    strategy: str = "full_shard"  # full_shard | shard_grad_op | no_shard | hybrid_shard
+    hybrid_shard_size: Optional[int] = None  # ranks per shard group for hybrid_shard (default: one node)
+    wrap: Any = "auto"  # auto = the model's decoder-block class (_no_split_modules), or a list of class names
+    mixed_precision: str = "fp32"  # bf16 = bf16 compute/all-gather, fp32 master weights + optimizer
+    reduce_dtype: str = "fp32"  # dtype of gradient reduce-scatter/all-reduce: fp32 | bf16
+    activation_checkpointing: Any = False  # true = every unit, int k = every k-th unit: -activations, +~30% compute
+    cpu_offload: bool = False  # sharded params, grads and optimizer state live on the host
+    prefetch: bool = True  # overlap the next unit's all-gather with this unit's compute
+    sync_every_microstep: bool = True  # false: reduce grads only on the last micro-step (more memory, less traffic)
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")
+        _check(self.strategy in ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard"), "engine.strategy",
+               f"must be full_shard, shard_grad_op, no_shard or hybrid_shard, got {self.strategy!r}")
+        _check(self.mixed_precision in ("fp32", "bf16"), "engine.mixed_precision",
+               f"must be fp32 or bf16, got {self.mixed_precision!r}")
+        _check(self.reduce_dtype in ("fp32", "bf16"), "engine.reduce_dtype", f"must be fp32 or bf16, got {self.reduce_dtype!r}")
+        ac = self.activation_checkpointing
+        _check(isinstance(ac, (bool, int)) and (isinstance(ac, bool) or ac >= 1), "engine.activation_checkpointing",
+               f"must be true, false or an integer k >= 1 (every k-th unit), got {ac!r}")
+        w = self.wrap
+        _check(w == "auto" or (isinstance(w, (list, tuple)) and all(isinstance(x, str) for x in w)) or
+               (isinstance(w, int) and not isinstance(w, bool) and w > 0),
+               "engine.wrap", f"must be auto, a list of module class names, or a minimum unit size in params, got {w!r}")
+        if self.hybrid_shard_size is not None:
+            _check(self.hybrid_shard_size >= 1, "engine.hybrid_shard_size", f"must be >= 1, got {self.hybrid_shard_size}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: Optional[str] = None  # jsonl/json/parquet/txt file or folder, a saved datasets dir, or builtin:NAME
+    format: str = "text"  # text | instruction | chat
+    text_field: str = "text"  # column for format=text
+    prompt_field: str = "prompt"  # columns for format=instruction
+    response_field: str = "response"
+    messages_field: str = "messages"  # column for format=chat
+    seq_len: int = 512  # tokens per sample after packing/padding
+    packing: bool = True  # concatenate documents to seq_len (position ids reset per document)
+    eval_fraction: float = 0.05  # held-out share of the data for eval_loss
+    num_samples: int = 2000  # size of a generated builtin:* dataset
+
+    def __post_init__(self) -> None:
+        _check(self.format in ("text", "instruction", "chat"), "data.format",
+               f"must be text, instruction or chat, got {self.format!r}")
+        _check(self.seq_len >= 8, "data.seq_len", f"must be >= 8, got {self.seq_len}")
+        _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
+        _check(self.num_samples >= 1, "data.num_samples", f"must be >= 1, got {self.num_samples}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    output_dir: str = "runs/run"  # the run directory (metrics, checkpoints, final model)
+    micro_batch_size: int = 1  # samples per rank per forward pass
+    grad_accum: int = 1  # micro-steps per optimizer step; global batch = micro_batch_size * world * grad_accum
+    max_steps: int = 100  # optimizer steps
+    lr: float = 2e-4
+    schedule: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 0
+    weight_decay: float = 0.0  # AdamW decoupled decay; never applied to norms and biases
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    seed: int = 0
+    eval_every: int = 0  # steps between eval_loss lines (0: only at the end when eval data exists)
+    eval_batches: int = 4  # batches per eval
+    save_every: int = 0  # steps between sharded checkpoints (0: none)
+    log_every: int = 1  # steps between progress lines
+    profile_memory: bool = False  # CPU: peak live tensor bytes; CUDA: max_memory_allocated
+    demo_eval: bool = False  # print held-out exact-match accuracy before and after training (builtin tasks)
+    demo_eval_samples: int = 64
+    save_final: bool = True  # write final/ (HF format, or a PEFT adapter with LoRA)
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "eval_batches", "demo_eval_samples"):
+            _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
+            _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
+        _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _check(self.schedule in ("cosine", "linear", "constant"), "train.schedule",
+               f"must be cosine, linear or constant, got {self.schedule!r}")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas",
+               f"must be two numbers in [0, 1), got {self.betas}")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    nproc_per_node: Any = "auto"  # auto = all GPUs, else 2 CPU workers
+    nnodes: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    rdzv_endpoint: Optional[str] = None  # host:port of the c10d rendezvous for multi-node (torchrun)
+    node_rank: Optional[int] = None
+    max_restarts: int = 0  # torchrun restarts a failed job this many times (it resumes from the latest checkpoint)
+    threads_per_worker: Optional[int] = None  # CPU: torch threads per worker (default: cores / workers)
+
+    def __post_init__(self) -> None:
+        n = self.nproc_per_node
+        _check(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1), "launch.nproc_per_node",
+               f"must be auto or an integer >= 1, got {n!r}")
+        _check(self.nnodes >= 1, "launch.nnodes", f"must be >= 1, got {self.nnodes}")
+        _check(self.device in ("auto", "cpu", "cuda"), "launch.device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _check(self.max_restarts >= 0, "launch.max_restarts", f"must be >= 0, got {self.max_restarts}")
+
+
+@dataclass(kw_only=True)
+class HardwareConfig:
+    gpu: str = "rtx4090-24gb"  # a profile in configs/hardware/ (what plan checks against)
+    num_gpus: int = 4
+    host_ram_gb: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _check(self.num_gpus >= 1, "hardware.num_gpus", f"must be >= 1, got {self.num_gpus}")
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    description: str = ""  # one line shown by `shardtune recipes`
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)

@@ -1,0 +1,71 @@
+"""Engine policy and the handle both backends return. Torch types only: no OmegaConf, no strings like "bf16".
+
+The trainer talks to a sharded model only through `ShardedModel`; `engine.backend` picks who implements it
+(`shard.py` for ours, `torch_backend.py` for PyTorch FSDP2).
+
+Gradient contract (both backends): gradients are SUMMED over data-parallel ranks, never averaged. The trainer
+divides each micro-batch loss by the number of target tokens in the whole global batch, so the summed gradient is
+exactly the single-device gradient of the global mean loss, whatever the world size and accumulation.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class ShardingStrategy(enum.Enum):
+    FULL_SHARD = "full_shard"  # ZeRO-3: params, grads, optimizer state sharded; params freed after forward
+    SHARD_GRAD_OP = "shard_grad_op"  # ZeRO-2: params stay gathered from forward until backward
+    NO_SHARD = "no_shard"  # DDP-like: everything replicated, grads all-reduced
+    HYBRID_SHARD = "hybrid_shard"  # full_shard inside groups of hybrid_shard_size, replicate across groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    param_dtype: torch.dtype = torch.float32  # compute and all-gather dtype (master weights stay fp32)
+    reduce_dtype: torch.dtype = torch.float32  # dtype of gradient reduce-scatter / all-reduce
+
+
+def default_no_weight_decay(name: str, param: nn.Parameter) -> bool:
+    """Norm weights and biases (every parameter with fewer than 2 dims) get no weight decay."""
+    return param.ndim < 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPolicy:
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    unit_classes: tuple[type[nn.Module], ...] = ()  # each instance becomes one unit; () -> use min_unit_params
+    min_unit_params: int | None = None  # size-based auto-wrap when unit_classes is empty
+    mixed_precision: MixedPrecision = MixedPrecision()
+    cpu_offload: bool = False  # sharded params, grads and optimizer state on the host
+    prefetch: bool = True  # overlap the next unit's all-gather with the current unit's compute
+    sync_every_microstep: bool = True  # reduce-scatter every micro-step (False: only when sync is re-enabled)
+    hybrid_shard_size: int | None = None  # ranks per shard group under HYBRID_SHARD
+    no_weight_decay: Callable[[str, nn.Parameter], bool] = default_no_weight_decay
+
+
+class ShardedModel(Protocol):
+    """What the trainer needs from a sharded model, whatever the backend."""
+
+    module: nn.Module  # the original module, now sharded; call it as usual (forward, generate)
+
+    def optimizer_param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """AdamW param groups over the tensors this rank steps (its shards), decay and no-decay separate."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of all gradients (before clipping); clips in place when max_norm > 0."""
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        """False: keep gradients local (unsharded) across micro-steps; True: reduce on this backward."""
+
+    def comm_bytes(self) -> int:
+        """Bytes this rank sent + received in collectives since construction (monotonic)."""
+
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective. Yields (original name, full CPU tensor) on rank 0, unit by unit; other ranks yield nothing.
+        Names are the original module's parameter names (as in named_parameters()), trainable and frozen."""

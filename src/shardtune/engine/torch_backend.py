@@ -1,0 +1,85 @@
+"""engine.backend=torch: PyTorch FSDP2 `fully_shard` with the same policy (units, strategy, precision, offload).
+
+It is the A/B reference for our engine, so it follows the same contract as `shard.py` (see api.py): gradients
+summed over ranks, AdamW groups split by `no_weight_decay`, full state dict streamed to rank 0.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from shardtune.engine.api import ShardingPolicy, ShardingStrategy
+from shardtune.engine.wrap import find_units
+
+
+def build_mesh(device_type: str, strategy: ShardingStrategy, hybrid_shard_size: int | None) -> DeviceMesh:
+    """1-D mesh for full_shard/shard_grad_op; 2-D (replicate, shard) for hybrid_shard and no_shard."""
+    world = dist.get_world_size()
+    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    shard = 1 if strategy is ShardingStrategy.NO_SHARD else (hybrid_shard_size or world)
+    assert world % shard == 0, "validated before sharding"
+    return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+class TorchShardedModel:
+    def __init__(self, module: nn.Module, policy: ShardingPolicy, mesh: DeviceMesh) -> None:
+        self.module = module
+        self.policy = policy
+        self.mesh = mesh
+        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+    def optimizer_param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        decay, no_decay = [], []
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                (no_decay if self.policy.no_weight_decay(name, p) else decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, total)
+        return total
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        for m in self._fsdp_modules:
+            m.set_requires_gradient_sync(sync, recurse=False)
+
+    def comm_bytes(self) -> int:
+        return -1  # FSDP2 exposes no byte counter; the benchmark compares ours against theory instead
+
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        rank0 = dist.get_rank() == 0
+        for name, p in self.module.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()  # collective per parameter
+            if rank0:
+                yield name, full.detach().to("cpu", copy=True)
+            del full
+
+
+def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> TorchShardedModel:
+    mesh = build_mesh(device.type, policy.strategy, policy.hybrid_shard_size)
+    mp = MixedPrecisionPolicy(param_dtype=policy.mixed_precision.param_dtype,
+                              reduce_dtype=policy.mixed_precision.reduce_dtype)
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if policy.cpu_offload else OffloadPolicy()
+    reshard = policy.strategy is not ShardingStrategy.SHARD_GRAD_OP
+    units = find_units(module, policy.unit_classes, policy.min_unit_params)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    # The root is the last unit FSDP2 runs backward for; it keeps its params for backward (reshard=False).
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    sharded = TorchShardedModel(module, policy, mesh)
+    for m in sharded._fsdp_modules:
+        m.set_gradient_divide_factor(1.0)  # our contract: sum over ranks (the loss is already globally normalised)
+    return sharded
