@@ -23,8 +23,9 @@ RECIPES_DIR = PACKAGE_DIR / "recipes"
 # Keys that name files; relative values resolve against the recipe's folder, then the cwd, then the package.
 PATH_KEYS = ("model.config", "model.path", "model.tokenizer", "data.path")
 
-if not OmegaConf.has_resolver("now"):
-    OmegaConf.register_new_resolver("now", lambda fmt="%Y%m%d-%H%M%S": datetime.now().strftime(fmt))
+if not OmegaConf.has_resolver("now"):  # ${now:%Y%m%d-%H%M%S}; resolved once by the launcher, not per worker
+    _register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+    _register("now", lambda fmt="%Y%m%d-%H%M%S": datetime.now().strftime(fmt))
 
 
 def list_bundled_recipes() -> dict[str, Path]:
@@ -131,7 +132,9 @@ def load_recipe_config(recipe: str | Path, overrides: list[str] = ()) -> DictCon
 
 def to_recipe(cfg: DictConfig, source: str = "recipe") -> Recipe:
     try:
-        return OmegaConf.to_object(cfg)  # runs every __post_init__
+        recipe = OmegaConf.to_object(cfg)  # runs every __post_init__
+        recipe.check()
+        return recipe
     except ValueError as e:  # our range checks, already "key: message"
         raise UserError(f"{source}: {e}") from None
     except OmegaConfBaseException as e:

@@ -28,11 +28,6 @@ class ModelConfig:
         _check(self.dtype in ("fp32", "bf16"), "model.dtype", f"must be fp32 or bf16, got {self.dtype!r}")
         _check(self.attn_implementation in ("sdpa", "eager"), "model.attn_implementation",
                f"must be sdpa or eager, got {self.attn_implementation!r}")
-        if self.init == "pretrained":
-            _check(self.path is not None, "model.path", "init=pretrained needs model.path=DIR (a local HF checkpoint)")
-        else:
-            _check(self.config is not None or self.path is not None, "model.config",
-                   "init=random needs model.config=FILE.json (or model.path=DIR with a config.json)")
 
 
 @dataclass(kw_only=True)
@@ -175,3 +170,14 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+    def check(self) -> None:
+        """Cross-section checks; run on the merged recipe (defaults alone may be incomplete)."""
+        m = self.model
+        if m.init == "pretrained":
+            _check(m.path is not None, "model.path", "init=pretrained needs model.path=DIR (a local HF checkpoint)")
+        else:
+            _check(m.config is not None or m.path is not None, "model.config",
+                   "init=random needs model.config=FILE.json (or model.path=DIR with a config.json)")
+        _check(self.data.path is not None, "data.path",
+               "not set: give a jsonl/json/parquet/txt file or folder, a saved dataset dir, or builtin:reverse")

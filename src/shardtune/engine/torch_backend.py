@@ -81,5 +81,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     sharded = TorchShardedModel(module, policy, mesh)
     for m in sharded._fsdp_modules:
-        m.set_gradient_divide_factor(1.0)  # our contract: sum over ranks (the loss is already globally normalised)
+        # Our contract: sum over ranks (the loss is already globally normalised). Forcing a plain SUM also avoids
+        # PREMUL_SUM, which gloo lacks.
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
     return sharded

@@ -1,0 +1,29 @@
+"""A character-level tokenizer built with `tokenizers` (nothing downloaded): the demo's and the tests' default.
+
+One token per printable ASCII character plus four specials; loads as a `PreTrainedTokenizerFast`, saves with
+`save_pretrained`, and carries a chat template so `data.format=chat` works on it too.
+"""
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, matching the tiny configs' pad/bos/eos ids
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+# Assistant turns are what `chat` trains on; the template marks nothing, the data code finds them by prefix.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<s>' + m['role'] + ':' + m['content'] + '</s>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<s>assistant:' }}{% endif %}"
+)
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Specials are matched first (added tokens); everything else splits into single characters.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=4096)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast

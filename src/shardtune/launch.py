@@ -1,0 +1,91 @@
+"""`shardtune train`: validate, save the resolved recipe, then start workers through torchrun.
+
+Inside an existing torchrun/srun worker (RANK and WORLD_SIZE set) the worker runs directly. A worker that hits
+a user error writes it to `<run>/.user_error` and exits 2; the launcher then prints that one line and exits 2
+instead of relaying torchrun's failure report (bad input never gives a traceback).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from shardtune.config.load import to_recipe, to_yaml
+from shardtune.config.schema import Recipe
+from shardtune.errors import UserError
+from shardtune.parallelize import check_world
+from shardtune.runtime import pick_device_type
+
+USER_ERROR_FILE = ".user_error"
+
+
+def in_worker_env() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def workers_per_node(recipe: Recipe) -> int:
+    device = pick_device_type(recipe.launch)
+    n = recipe.launch.nproc_per_node
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("launch.device=cuda but no CUDA GPU is visible: use launch.device=cpu or auto")
+        gpus = torch.cuda.device_count()
+        if n != "auto" and n > gpus:
+            raise UserError(f"launch.nproc_per_node={n} but only {gpus} GPU(s) are present: set it to {gpus} or less")
+        return gpus if n == "auto" else n
+    return 2 if n == "auto" else n
+
+
+def check_launch(recipe: Recipe) -> int:
+    """Everything we can check before a process starts; returns workers per node."""
+    nproc = workers_per_node(recipe)
+    check_world(recipe.engine, nproc * recipe.launch.nnodes)
+    if recipe.launch.nnodes > 1 and not recipe.launch.rdzv_endpoint:
+        raise UserError("launch.nnodes > 1 needs launch.rdzv_endpoint=HOST:PORT (the first node's address)")
+    return nproc
+
+
+def torchrun_command(recipe: Recipe, recipe_file: Path, nproc: int) -> list[str]:
+    launch = recipe.launch
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--max-restarts={launch.max_restarts}"]
+    if launch.nnodes == 1 and launch.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={launch.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}",
+                f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'shardtune')}"]
+        if launch.node_rank is not None:
+            cmd.append(f"--node-rank={launch.node_rank}")
+    return cmd + ["-m", "shardtune.worker", str(recipe_file)]
+
+
+def launch_train(cfg: DictConfig) -> int:
+    recipe = to_recipe(cfg)
+    if in_worker_env():
+        from shardtune.worker import run_worker
+
+        return run_worker(recipe)
+    nproc = check_launch(recipe)
+    run_dir = Path(recipe.train.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recipe_file = run_dir / "recipe.yaml"
+    recipe_file.write_text(to_yaml(cfg))  # resolved: every default, override and path, so a run is reproducible
+    (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
+    env = dict(os.environ)
+    if pick_device_type(recipe.launch) == "cpu":
+        threads = recipe.launch.threads_per_worker or max(1, (os.cpu_count() or 2) // nproc)
+        env["OMP_NUM_THREADS"] = str(threads)  # one worker per core share: oversubscription halves speed
+    proc = subprocess.Popen(torchrun_command(recipe, recipe_file, nproc), env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # relay live, but drop torchrun's report once a worker has said what was wrong
+        if not (run_dir / USER_ERROR_FILE).exists():
+            sys.stderr.write(line)
+    code = proc.wait()
+    err_file = run_dir / USER_ERROR_FILE
+    if code != 0 and err_file.exists():
+        raise UserError(err_file.read_text().strip())
+    return code

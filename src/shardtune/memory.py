@@ -1,0 +1,133 @@
+"""Peak live tensor bytes: a CPU tracker (what `train.profile_memory` measures and `plan` predicts); CUDA reads the
+allocator.
+
+CPU method (no allocator hooks exist on CPU, and we do not monkeypatch torch): a `TorchDispatchMode` sees every op's
+outputs; each new untyped storage is registered once, keyed by its data pointer, with a `weakref` whose callback
+subtracts its bytes when the storage dies. Storages alive before `start()` are found once by scanning the garbage
+collector's tensors. Storages resized in place outside dispatch (`UntypedStorage.resize_`, how FSDP frees gathered
+parameters) are caught by re-reading the size of every registered storage of at least `recheck_min_bytes` after each
+op, and by `storage_resized()`, which our engine calls when it resizes. Cost: Python work per op (~2-5x slower
+steps): use it for measurement runs, not for timing.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_ACTIVE: list[CpuMemoryTracker] = []
+
+
+def storage_resized(tensor: torch.Tensor) -> None:
+    """Called by code that resizes a storage in place; updates the active tracker (no-op when none)."""
+    for t in _ACTIVE:
+        t._update(tensor.untyped_storage())
+
+
+class CpuMemoryTracker(TorchDispatchMode):
+    def __init__(self, *, recheck_min_bytes: int = 64 * 1024) -> None:
+        super().__init__()
+        self.recheck_min_bytes = recheck_min_bytes
+        self._sizes: dict[int, int] = {}  # id(storage wrapper) -> bytes counted
+        self._refs: dict[int, weakref.ref] = {}
+        self._big: set[int] = set()  # ids rechecked after every op
+        self._live = 0
+        self._peak = 0
+
+    # -- registration ----------------------------------------------------------------------------------------------
+    def _update(self, st: torch.UntypedStorage) -> None:
+        if st.device.type != "cpu":
+            return
+        key = id(st)
+        n = st.nbytes()
+        if key not in self._sizes:
+            self._refs[key] = weakref.ref(st, lambda _, k=key: self._forget(k))
+            self._sizes[key] = 0
+        old = self._sizes[key]
+        if n != old:
+            self._sizes[key] = n
+            self._live += n - old
+            if n >= self.recheck_min_bytes:
+                self._big.add(key)
+        self._peak = max(self._peak, self._live)
+
+    def _forget(self, key: int) -> None:
+        self._live -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+        self._big.discard(key)
+
+    def _recheck_big(self) -> None:
+        for key in list(self._big):
+            st = self._refs[key]()
+            if st is not None and st.nbytes() != self._sizes[key]:
+                self._live += st.nbytes() - self._sizes[key]
+                self._sizes[key] = st.nbytes()
+        self._peak = max(self._peak, self._live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._update(t.untyped_storage())
+        for t in tree_leaves(args):  # in-place ops (resize_, set_) may grow an input's storage
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() != self._sizes.get(id(t.untyped_storage())):
+                self._update(t.untyped_storage())
+        self._recheck_big()
+        return out
+
+    # -- public API ------------------------------------------------------------------------------------------------
+    def start(self) -> CpuMemoryTracker:
+        gc.collect()
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                self._update(obj.untyped_storage())
+        self._peak = self._live
+        _ACTIVE.append(self)
+        self.__enter__()
+        return self
+
+    def stop(self) -> None:
+        self.__exit__(None, None, None)
+        _ACTIVE.remove(self)
+
+    def reset_peak(self) -> None:
+        self._recheck_big()
+        self._peak = self._live
+
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    def live_bytes(self) -> int:
+        self._recheck_big()
+        return self._live
+
+
+class CudaMemoryTracker:
+    """Same API over the CUDA caching allocator's counters (exact, free)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> CudaMemoryTracker:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def live_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+
+def memory_tracker(device: torch.device) -> CpuMemoryTracker | CudaMemoryTracker:
+    """The tracker for `device`; call `.start()` before the steps to measure and `.stop()` after."""
+    return CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()

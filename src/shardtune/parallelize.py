@@ -1,0 +1,60 @@
+"""Recipe -> engine policy -> sharded model. The only place where recipe strings become torch types.
+
+Transforms run in a fixed order, and the order matters:
+  1. inject LoRA (peft replaces Linear modules, so units and frozen flags must see the final module tree),
+  2. activation checkpointing (wraps whole units; the engine's hooks then see one checkpointed call per unit),
+  3. shard (flattens parameters into per-unit buffers; anything after this would see views, not parameters).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from shardtune.config.schema import EngineConfig, Recipe
+from shardtune.engine.api import MixedPrecision, ShardedModel, ShardingPolicy, ShardingStrategy
+from shardtune.engine.wrap import resolve_unit_classes
+from shardtune.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check_world(engine: EngineConfig, world_size: int) -> None:
+    """Sharding that cannot work on this world size is a user error, found before any model is built."""
+    if engine.strategy == "hybrid_shard":
+        size = engine.hybrid_shard_size or world_size
+        if size > world_size or world_size % size:
+            raise UserError(f"engine.hybrid_shard_size={size} does not divide the world size {world_size}: "
+                            f"pick a divisor of {world_size}")
+
+
+def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int) -> ShardingPolicy:
+    check_world(engine, world_size)
+    if engine.cpu_offload and world_size == 1 and not torch.cuda.is_available():
+        warnings.warn("engine.cpu_offload=true does nothing here: one CPU rank already keeps everything on the host",
+                      stacklevel=2)
+    wrap = engine.wrap
+    wrap_spec = list(wrap) if not isinstance(wrap, (str, int)) else wrap
+    return ShardingPolicy(
+        strategy=ShardingStrategy(engine.strategy),
+        unit_classes=resolve_unit_classes(model, wrap_spec),
+        min_unit_params=wrap_spec if isinstance(wrap_spec, int) else None,
+        mixed_precision=MixedPrecision(param_dtype=DTYPES[engine.mixed_precision],
+                                       reduce_dtype=DTYPES[engine.reduce_dtype]),
+        cpu_offload=engine.cpu_offload,
+        prefetch=engine.prefetch,
+        sync_every_microstep=engine.sync_every_microstep,
+        hybrid_shard_size=engine.hybrid_shard_size,
+    )
+
+
+def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world_size: int) -> ShardedModel:
+    policy = sharding_policy(recipe.engine, model, world_size)
+    if recipe.engine.backend == "torch":
+        from shardtune.engine import torch_backend
+
+        return torch_backend.shard_model(model, policy, device=device)
+    from shardtune.engine import shard
+
+    return shard.shard_model(model, policy, device=device)
