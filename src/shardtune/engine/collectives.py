@@ -1,0 +1,59 @@
+"""Stateless collectives over a process group, each adding what this rank sent + received to a `CommCounter`.
+
+Byte convention (ring algorithms, what NCCL and gloo's ring do; per rank, W ranks in the group):
+- all-gather into an output of N elements of s bytes: sends (W-1)/W·N·s and receives as much -> 2(W-1)/W·N·s.
+- reduce-scatter of an input of N elements: the same, 2(W-1)/W·N·s.
+- all-reduce of N elements = reduce-scatter + all-gather: 4(W-1)/W·N·s.
+A group of one rank moves nothing and is skipped. Counts are exact integers when N is a multiple of W (our flat
+buffers are padded to one); the scalar all-reduce of grad clipping rounds down.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass
+class CommCounter:
+    bytes: int = 0  # monotonic: sent + received by this rank
+
+
+def _ring_bytes(numel: int, elem_size: int, world: int) -> int:
+    return 2 * (world - 1) * numel * elem_size // world
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, counter: CommCounter,
+                    *, async_op: bool = False) -> dist.Work | None:
+    """out (1D, numel = W·shard.numel) <- concatenation of every rank's `shard`. Returns the work if async."""
+    world = dist.get_world_size(group)
+    assert out.numel() == world * shard.numel() and out.dtype == shard.dtype
+    if world == 1:
+        out.copy_(shard)
+        return None
+    counter.bytes += _ring_bytes(out.numel(), out.element_size(), world)
+    return dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup, counter: CommCounter,
+                        *, async_op: bool = False) -> dist.Work | None:
+    """out (1D, numel = full.numel / W) <- this rank's slice of the SUM over ranks of `full`."""
+    world = dist.get_world_size(group)
+    assert full.numel() == world * out.numel() and out.dtype == full.dtype
+    if world == 1:
+        out.copy_(full)
+        return None
+    counter.bytes += _ring_bytes(full.numel(), full.element_size(), world)
+    return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, counter: CommCounter,
+                *, async_op: bool = False) -> dist.Work | None:
+    """In-place SUM over the group. `group=None` means a group of one rank (no-op)."""
+    world = 1 if group is None else dist.get_world_size(group)
+    if world == 1:
+        return None
+    counter.bytes += 2 * _ring_bytes(tensor.numel(), tensor.element_size(), world)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -1,0 +1,147 @@
+"""One unit's parameters as one flat, padded buffer, sharded over the shard group (FSDP1-style "flat param").
+
+Layout of a trainable buffer (numel T, padded to P = ceil(T / W)·W for W ranks in the shard group):
+
+    [ decay params ... | no-decay params ... | padding ]      rank r owns [r·P/W, (r+1)·P/W)
+
+so each rank's shard holds at most two contiguous segments (decay, no-decay). Each segment is an `nn.Parameter`
+sharing storage with the shard, and its `.grad` is a view of the sharded gradient: torch AdamW with two groups over
+the segments is exactly single-device AdamW (weight decay and moments are elementwise).
+
+While the unit is unsharded, the original parameters are replaced on their modules by views of one gathered buffer
+(`full`, numel P, compute dtype). In a grad-enabled forward those views come from a fresh autograd leaf aliasing
+`full`; autograd sums their gradients into one flat gradient of numel P (a single cat in SplitBackward), which is
+what the reduce-scatter needs: no per-parameter copy-in.
+
+Frozen parameters go into a separate FlatParam with `requires_grad=False`: no gradient, no optimizer state, no
+reduce-scatter, and the shard stays in the parameters' own dtype (e.g. a bf16 base under LoRA).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardtune import memory
+
+
+@dataclass
+class ParamSlot:
+    name: str  # canonical name, as in the original module's named_parameters()
+    shape: torch.Size
+    offset: int  # first element in the flat buffer
+    numel: int
+    locations: list[tuple[nn.Module, str]] = field(default_factory=list)  # every (module, attr) holding it (tied)
+
+
+class FlatParam:
+    def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], *,
+                 requires_grad: bool, num_decay: int, shard_rank: int, shard_size: int,
+                 compute_dtype: torch.dtype, device: torch.device) -> None:
+        """`params` in buffer order; the first `num_decay` of them get weight decay (trainable buffers only)."""
+        dtypes = {p.dtype for _, p, _ in params}
+        assert len(dtypes) == 1, f"one dtype per flat buffer, got {dtypes}"  # checked with a UserError in shard.py
+        self.dtype: torch.dtype = dtypes.pop()  # master dtype of the shard (fp32 for trainable weights)
+        self.compute_dtype = compute_dtype  # dtype of the gathered buffer and of forward/backward compute
+        self.requires_grad = requires_grad
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, p, locs in params:
+            self.slots.append(ParamSlot(name, p.shape, offset, p.numel(), list(locs)))
+            offset += p.numel()
+        self.numel = offset  # unpadded T
+        self.padded_numel = -(-offset // shard_size) * shard_size  # P, a multiple of W
+        self.shard_numel = self.padded_numel // shard_size  # P / W
+        self.shard_size = shard_size
+        lo, hi = shard_rank * self.shard_numel, (shard_rank + 1) * self.shard_numel
+
+        # The shard: 1D, master dtype, numel P/W. Built from the full parameters every rank holds at construction
+        # (same seed); costs one unit of extra host memory transiently. Meta params (loader fills later) are skipped.
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        for slot, (_, p, _) in zip(self.slots, params, strict=True):
+            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if a < b and not p.is_meta:
+                self.shard[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - slot.offset:b - slot.offset])
+
+        # Segments this rank owns, in shard-local coordinates: decay [0, D) and no-decay [D, T) intersected.
+        d = sum(s.numel for s in self.slots[:num_decay])
+        self.segments: list[tuple[bool, int, int, nn.Parameter]] = []  # (decay?, start, end, param view)
+        if requires_grad:
+            for decay, (a, b) in ((True, (0, d)), (False, (d, self.numel))):
+                a, b = max(a, lo) - lo, min(b, hi) - lo
+                if a < b:
+                    self.segments.append((decay, a, b, nn.Parameter(self.shard[a:b])))
+        self._shard_grad_ref: weakref.ref[torch.Tensor] | None = None  # weak: zero_grad(set_to_none) frees it
+
+        # No shard group and no cast: the shard IS the full buffer (no_shard fp32); never freed, nothing copied.
+        self.aliased = shard_size == 1 and compute_dtype == self.dtype
+        if self.aliased:
+            self.full = self.shard
+        else:
+            self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)  # 1D, compute, P
+            self.free_full()
+
+    # -- unsharded buffer ------------------------------------------------------------------------------------------
+    def is_full_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def alloc_full(self) -> None:
+        """Re-grow `full`'s storage. Views created earlier (saved by autograd) alias it and see the new data."""
+        if not self.aliased and not self.is_full_allocated():
+            self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+            memory.storage_resized(self.full)
+
+    def free_full(self) -> None:
+        """Free the gathered storage but keep the tensor object: autograd's saved views of it stay valid handles."""
+        if not self.aliased and self.is_full_allocated():
+            self.full.untyped_storage().resize_(0)
+            memory.storage_resized(self.full)
+
+    def gather_input(self) -> torch.Tensor:
+        """What this rank sends in the all-gather: its shard cast to the compute dtype (halves bytes for bf16)."""
+        return self.shard if self.dtype == self.compute_dtype else self.shard.to(self.compute_dtype)
+
+    def bind_views(self, *, requires_grad: bool) -> torch.Tensor:
+        """Point every original parameter attribute at its view of `full`. Returns the tensor the views come from:
+        with grad, a fresh leaf aliasing `full` (own version counter, so refilling `full` later for backward does
+        not trip autograd's in-place checks); its .grad will be the flat gradient (1D, compute dtype, numel P)."""
+        if requires_grad:
+            src = self.full.data.requires_grad_(True)
+            pad = self.padded_numel - self.numel
+            pieces = src.split([s.numel for s in self.slots] + [pad])
+        else:
+            src = self.full
+            pieces = [src[s.offset:s.offset + s.numel] for s in self.slots]
+        for slot, piece in zip(self.slots, pieces, strict=False):
+            view = piece.view(slot.shape)
+            for module, attr in slot.locations:
+                module.__dict__[attr] = view  # plain attribute: the nn.Parameter was removed at shard time
+        return src
+
+    # -- sharded gradient ------------------------------------------------------------------------------------------
+    def shard_grad(self) -> torch.Tensor | None:
+        """The sharded gradient (1D, fp32, numel P/W) if one is live, i.e. the optimizer did not drop it."""
+        base = self._shard_grad_ref() if self._shard_grad_ref is not None else None
+        if base is None or any(seg.grad is None for _, _, _, seg in self.segments):
+            return None
+        return base
+
+    def accumulate_shard_grad(self, new: torch.Tensor) -> None:
+        """shard grad += new (1D, numel P/W); `new` is owned by us and becomes the grad when there is none."""
+        if not self.segments:
+            return  # this rank owns only padding
+        base = self.shard_grad()
+        if base is None:
+            base = new if new.dtype == self.dtype else new.to(self.dtype)
+            self._shard_grad_ref = weakref.ref(base)
+            for _, a, b, seg in self.segments:
+                seg.grad = base[a:b]  # views: keep `base` alive exactly as long as the optimizer keeps grads
+        else:
+            base.add_(new)
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's model states held here: the shard plus its gradient when live."""
+        g = self.shard_grad()
+        return self.shard.nbytes + (g.nbytes if g is not None else 0)

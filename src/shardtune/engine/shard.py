@@ -1,0 +1,180 @@
+"""engine.backend=shardtune: `shard_model`, the one public entry point of our FSDP engine (contract in api.py).
+
+Process groups per strategy (W ranks):
+  full_shard, shard_grad_op: shard group = all W ranks, no replicate group.
+  hybrid_shard (size S):     shard groups of S consecutive ranks; replicate groups {r, r+S, r+2S, ...}.
+  no_shard:                  no shard group (each rank holds everything); replicate group = all W ranks.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardtune.engine.api import ShardingPolicy, ShardingStrategy
+from shardtune.engine.collectives import all_gather_into, all_reduce_
+from shardtune.engine.flat_param import FlatParam
+from shardtune.engine.unit import EngineContext, Unit, group_size
+from shardtune.engine.wrap import find_units
+from shardtune.errors import UserError
+
+
+def build_groups(strategy: ShardingStrategy, hybrid_shard_size: int | None
+                 ) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """(shard_group, replicate_group); None stands for a group of one rank. Collective over the world."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if strategy is ShardingStrategy.NO_SHARD:
+        return None, (dist.group.WORLD if world > 1 else None)
+    if strategy is not ShardingStrategy.HYBRID_SHARD or world == 1:
+        return (dist.group.WORLD if world > 1 else None), None
+    size = hybrid_shard_size or world
+    if size < 1 or world % size:
+        raise UserError(f"engine.hybrid_shard_size={hybrid_shard_size} must divide the world size {world}")
+    shard_group = replicate_group = None
+    for start in range(0, world, size):  # every rank must create every group, in the same order
+        g = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            shard_group = g
+    for offset in range(size):
+        g = dist.new_group(list(range(offset, world, size)))
+        if rank % size == offset:
+            replicate_group = g
+    return (shard_group if size > 1 else None), (replicate_group if world > size else None)
+
+
+class ShardtuneModel:
+    """Handle returned by `shard_model`: the module (call it as usual) plus the sharded-optimizer helpers."""
+
+    def __init__(self, module: nn.Module, units: list[Unit], ctx: EngineContext, policy: ShardingPolicy) -> None:
+        self.module = module
+        self.units = units  # non-root units in forward order, then the root unit
+        self.ctx = ctx
+        self.policy = policy
+
+    def _segments(self) -> Iterator[tuple[bool, nn.Parameter]]:
+        for u in self.units:
+            for flat in u.flats:
+                for decay, _, _, seg in flat.segments:
+                    yield decay, seg
+
+    def optimizer_param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        segs = list(self._segments())
+        return [{"params": [p for d, p in segs if d], "weight_decay": weight_decay},
+                {"params": [p for d, p in segs if not d], "weight_decay": 0.0}]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for _, p in self._segments() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float32, device=self.ctx.root.flats[0].shard.device)
+        if grads:
+            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+        # Sum over the shard group only: replicas (hybrid/no_shard) hold identical shards. Padding is not in any
+        # segment, so it never counts. One all-reduce of one scalar.
+        all_reduce_(sq, self.ctx.shard_group, self.ctx.counter)
+        total = sq.sqrt()
+        if max_norm > 0 and grads:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch clip_grads_with_norm_
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        self.ctx.requires_grad_sync = sync
+
+    def comm_bytes(self) -> int:
+        return self.ctx.counter.bytes
+
+    def model_state_bytes(self) -> int:
+        """This rank's sharded params (+ their grads when live), excluding optimizer state and gathered buffers."""
+        return sum(f.state_bytes() for u in self.units for f in u.flats)
+
+    def padded_numels(self) -> list[list[int]]:
+        """Per unit (forward order, root last): padded numel P of each flat buffer. For accounting tests/bench."""
+        return [[f.padded_numel for f in u.flats] for u in self.units]
+
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Gathers one flat buffer at a time (master dtype): rank 0 holds what it yielded plus one unit."""
+        rank0 = dist.get_rank() == 0
+        for u in self.units:
+            for flat in u.flats:
+                full = torch.empty(flat.padded_numel, dtype=flat.dtype, device=flat.shard.device)
+                if self.ctx.shard_group is None:
+                    full.copy_(flat.shard)
+                else:
+                    all_gather_into(full, flat.shard, self.ctx.shard_group, self.ctx.counter)
+                if rank0:
+                    for s in flat.slots:
+                        yield s.name, full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
+                del full
+
+
+def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> ShardtuneModel:
+    if policy.cpu_offload:
+        raise UserError("engine.cpu_offload=true is not supported by engine.backend=shardtune yet: "
+                        "set engine.cpu_offload=false or engine.backend=torch")
+    shard_group, replicate_group = build_groups(policy.strategy, policy.hybrid_shard_size)
+    shard_size = group_size(shard_group)
+    shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
+    ctx = EngineContext(strategy=policy.strategy, shard_group=shard_group, replicate_group=replicate_group,
+                        reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch)
+    for m in module.modules():  # buffers (e.g. rotary inv_freq) are not sharded: move them as they are
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = b.to(device)
+
+    unit_modules = find_units(module, policy.unit_classes, policy.min_unit_params)
+    owner: dict[int, int] = {}  # id(submodule) -> unit index; absent -> root
+    for i, um in enumerate(unit_modules):
+        for sub in um.modules():
+            owner[id(sub)] = i
+    names = {id(p): n for n, p in module.named_parameters()}  # canonical (first) name of each parameter
+    locations: dict[int, list[tuple[nn.Module, str]]] = {}
+    param_unit: dict[int, int] = {}
+    params: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            u = owner.get(id(m), len(unit_modules))
+            if param_unit.setdefault(id(p), u) != u:
+                raise UserError(f"engine.wrap: parameter {names[id(p)]} is shared by two units; choose wrap classes "
+                                "that keep tied parameters in one unit (or leave them in the root)")
+            locations.setdefault(id(p), []).append((m, attr))
+            params[id(p)] = p
+
+    compute = policy.mixed_precision.param_dtype
+    units: list[Unit] = []
+    for i, um in enumerate([*unit_modules, module]):
+        mine = [params[k] for k in names if param_unit.get(k) == i]  # named_parameters() order
+        trainable = [p for p in mine if p.requires_grad]
+        frozen = [p for p in mine if not p.requires_grad]
+        decay = [p for p in trainable if not policy.no_weight_decay(names[id(p)], p)]
+        no_decay = [p for p in trainable if policy.no_weight_decay(names[id(p)], p)]
+        flats = []
+        for group, grad, num_decay in ((decay + no_decay, True, len(decay)), (frozen, False, 0)):
+            if not group:
+                continue
+            if len({p.dtype for p in group}) > 1:
+                raise UserError(f"model: {'trainable' if grad else 'frozen'} parameters of one unit have mixed "
+                                f"dtypes {sorted({str(p.dtype) for p in group})}; load the model in one dtype")
+            flats.append(FlatParam([(names[id(p)], p, locations[id(p)]) for p in group], requires_grad=grad,
+                                   num_decay=num_decay, shard_rank=shard_rank, shard_size=shard_size,
+                                   compute_dtype=compute, device=device))
+        # The original parameters leave the module; `model.parameters()` now yields this rank's shard segments.
+        for flat in flats:
+            for slot in flat.slots:
+                for m, attr in slot.locations:
+                    del m._parameters[attr]
+            for j, (decay_seg, _, _, seg) in enumerate(flat.segments):
+                um.register_parameter(f"_shardtune_flat_{'decay' if decay_seg else 'no_decay'}_{j}", seg)
+            if not flat.requires_grad:
+                um.register_parameter("_shardtune_flat_frozen", nn.Parameter(flat.shard, requires_grad=False))
+        is_root = um is module
+        units.append(Unit(um, flats, ctx, index=-1 if is_root else i, is_root=is_root))
+    ctx.units, ctx.root = units[:-1], units[-1]
+    if not ctx.root.flats:
+        raise UserError("engine.wrap: the root unit has no parameters; this engine needs the embeddings outside "
+                        "the wrapped blocks (wrap the decoder-block class only)")
+    return ShardtuneModel(module, units, ctx, policy)

@@ -1,0 +1,230 @@
+"""A unit: the module whose parameters are all-gathered and reduce-scattered together, and its hooks.
+
+State machine per unit:  SHARDED --unshard()--> GATHERING --wait()--> UNSHARDED --reshard()--> SHARDED.
+
+One training step of full_shard (units 0..L-1 in forward order, the root unit holds embeddings/norm/head):
+  forward : root pre-hook gathers the root and prefetches unit 0; unit i's pre-hook waits for its gather and
+            prefetches unit i+1; its post-hook frees it, except the last unit (backward needs it first: saves one
+            all-gather) and under shard_grad_op (all stay gathered until their backward). The root stays gathered.
+  backward: a hook on unit i's outputs (fires when their gradient is ready, just before the unit's backward)
+            re-gathers unit i and prefetches unit i-1; when autograd has summed the unit's flat gradient into its
+            leaf, the post-accumulate-grad hook reduce-scatters it into this rank's shard and frees the unit.
+  end     : an autograd-engine callback reduces any unit whose gradient never arrived (zeros; keeps collectives
+            matched across ranks) and reshards everything.
+Under no_grad (eval, generate) every unit, root included, is freed after its forward.
+Activation-checkpoint recompute runs forward hooks inside backward: there a unit is gathered but not freed and its
+views are not rebound (the saved views of the original leaf are refilled in place), so gradients still reach it.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardtune.engine.api import ShardingStrategy
+from shardtune.engine.collectives import CommCounter, all_gather_into, all_reduce_, reduce_scatter_into
+from shardtune.engine.flat_param import FlatParam
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # async all-gather in flight
+    UNSHARDED = "unsharded"
+
+
+@dataclass
+class EngineContext:
+    """State shared by all units of one sharded model."""
+
+    strategy: ShardingStrategy
+    shard_group: ProcessGroup | None  # None: a group of one rank (no_shard)
+    replicate_group: ProcessGroup | None  # hybrid_shard / no_shard: grads all-reduced across it
+    reduce_dtype: torch.dtype
+    prefetch: bool
+    counter: CommCounter = field(default_factory=CommCounter)
+    units: list[Unit] = field(default_factory=list)  # non-root units, forward order
+    root: Unit | None = None
+    requires_grad_sync: bool = True
+    in_backward: bool = False
+
+
+class Unit:
+    def __init__(self, module: nn.Module, flats: list[FlatParam], ctx: EngineContext, *,
+                 index: int, is_root: bool) -> None:
+        self.module = module
+        self.flats = flats  # [trainable?, frozen?]
+        self.ctx = ctx
+        self.index = index  # position in ctx.units (-1 for the root)
+        self.is_root = is_root
+        self.state = ShardState.SHARDED
+        self._works: list[Any] = []
+        self._sends: list[torch.Tensor] = []  # bf16 casts of the shards, alive until the gather completes
+        self._leaves: dict[int, torch.Tensor] = {}  # flat index -> autograd leaf of this forward
+        self._pending_post_backward: set[int] = set()  # flats whose gradient has not been reduced yet
+        self._pre_backward_done = False
+        self._unsharded_grads: dict[int, torch.Tensor] = {}  # no-sync accumulation: flat -> 1D fp32, numel P
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward)
+
+    # -- unshard / reshard ---------------------------------------------------------------------------------------
+    def unshard(self, *, async_op: bool) -> None:
+        if self.state is not ShardState.SHARDED:
+            return
+        for flat in self.flats:
+            if flat.aliased:
+                continue
+            flat.alloc_full()
+            send = flat.gather_input()
+            if self.ctx.shard_group is None:
+                flat.full.copy_(send)
+                continue
+            self._sends.append(send)
+            self._works.append(all_gather_into(flat.full, send, self.ctx.shard_group, self.ctx.counter,
+                                               async_op=async_op))
+        self.state = ShardState.GATHERING
+
+    def wait(self) -> None:
+        self.unshard(async_op=False)
+        for w in self._works:
+            if w is not None:
+                w.wait()
+        self._works.clear()
+        self._sends.clear()
+        self.state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.state is ShardState.GATHERING:
+            self.wait()  # never free a buffer a collective is still writing
+        for flat in self.flats:
+            flat.free_full()
+        self.state = ShardState.SHARDED
+
+    def _keep_after_forward(self) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        if self.is_root or self.ctx.strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+            return True
+        return self.index == len(self.ctx.units) - 1  # the last unit is the first one backward needs
+
+    # -- forward hooks ---------------------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        ctx = self.ctx
+        if ctx.in_backward:  # activation-checkpoint recompute: gather, keep the original leaf's views
+            self.wait()
+            return
+        if self.is_root:
+            self._begin_iteration()
+        self.wait()
+        grad = torch.is_grad_enabled()
+        self._leaves.clear()
+        for i, flat in enumerate(self.flats):
+            src = flat.bind_views(requires_grad=grad and flat.requires_grad)
+            if grad and flat.requires_grad:
+                self._leaves[i] = src
+                src.register_post_accumulate_grad_hook(lambda leaf, i=i: self._post_backward(i, leaf))
+                self._pending_post_backward.add(i)
+        self._pre_backward_done = False
+        nxt = ctx.units[self.index + 1] if self.index + 1 < len(ctx.units) else None
+        if ctx.prefetch and nxt is not None:
+            nxt.unshard(async_op=True)  # overlaps the next unit's all-gather with this unit's compute
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.ctx.in_backward:
+            return output
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        if not self._keep_after_forward():
+            self.reshard()
+        return output
+
+    def _begin_iteration(self) -> None:
+        """Root pre-forward: drop state a forward without backward (eval with grad on) may have left."""
+        for u in [*self.ctx.units, self]:
+            if u.state is not ShardState.SHARDED:
+                u.reshard()
+            u._pending_post_backward.clear()
+            u._leaves.clear()
+
+    # -- backward hooks --------------------------------------------------------------------------------------------
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        if not ctx.in_backward:
+            ctx.in_backward = True
+            # Runs once the whole backward pass is done (CPU: on this thread; CUDA: after queued kernels).
+            torch.autograd.Variable._execution_engine.queue_callback(_final_callback(ctx))
+        if self._pre_backward_done:
+            return
+        self._pre_backward_done = True
+        self.wait()
+        prev = ctx.units[self.index - 1] if self.index >= 1 else None
+        if ctx.prefetch and prev is not None:
+            prev.unshard(async_op=True)
+
+    def _post_backward(self, i: int, leaf: torch.Tensor) -> None:
+        grad = leaf.grad  # 1D, compute dtype, numel P: the unit's flat gradient for this micro-batch
+        leaf.grad = None
+        self._reduce_grad(i, grad)
+        self._pending_post_backward.discard(i)
+        if not self._pending_post_backward:
+            self.reshard()
+
+    def _reduce_grad(self, i: int, grad: torch.Tensor) -> None:
+        ctx, flat = self.ctx, self.flats[i]
+        if not ctx.requires_grad_sync:  # keep the unsharded gradient: +4·P bytes per unit, no traffic
+            acc = self._unsharded_grads.get(i)
+            if acc is None:
+                self._unsharded_grads[i] = grad.float() if grad.dtype != torch.float32 else grad
+            else:
+                acc.add_(grad)
+            return
+        acc = self._unsharded_grads.pop(i, None)
+        if acc is not None:
+            grad = acc.add_(grad)
+        full = grad.to(ctx.reduce_dtype)  # no copy when already in reduce_dtype
+        if ctx.shard_group is not None:
+            out = torch.empty(flat.shard_numel, dtype=ctx.reduce_dtype, device=full.device)  # 1D, P/W
+            reduce_scatter_into(out, full, ctx.shard_group, ctx.counter)
+        else:
+            out = full
+        del full, grad
+        # Hybrid / no_shard: sum the new contribution across replicas (not the accumulated grad: no double count).
+        all_reduce_(out, ctx.replicate_group, ctx.counter)
+        flat.accumulate_shard_grad(out)
+
+
+def _final_callback(ctx: EngineContext) -> Callable[[], None]:
+    def run() -> None:
+        for u in [*ctx.units, ctx.root]:
+            for i in sorted(u._pending_post_backward):
+                # No gradient reached this flat (unused parameters): reduce zeros so every rank runs the same
+                # collectives in the same order.
+                u._reduce_grad(i, torch.zeros_like(u._leaves[i]))
+            u._pending_post_backward.clear()
+            u._leaves.clear()
+            if u.state is not ShardState.SHARDED:
+                u.reshard()
+        ctx.in_backward = False
+    return run
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors in a module output: tensors, tuples/lists, dicts and HF ModelOutputs (dict subclasses)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)

@@ -1,0 +1,90 @@
+"""Shared pieces of the distributed tests: tiny models, a fixed global batch, the reference loop."""
+from __future__ import annotations
+
+import copy
+from importlib import resources
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardtune.engine.api import MixedPrecision, ShardingPolicy, ShardingStrategy, default_no_weight_decay
+from shardtune.engine.wrap import resolve_unit_classes
+
+MODELS = ("tiny-llama", "tiny-qwen2")
+
+
+def build_model(name: str, *, seed: int = 0) -> nn.Module:
+    path = resources.files("shardtune") / "configs" / "models" / f"{name}.json"
+    cfg = AutoConfig.from_pretrained(str(path))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+
+
+def global_batch(step: int, *, num_seqs: int = 8, seq_len: int = 16, vocab: int = 128) -> tuple[torch.Tensor, ...]:
+    """Same on every rank. Labels have some ignored positions so target counts differ per sequence."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(3, vocab, (num_seqs, seq_len), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(num_seqs, seq_len, generator=g) < 0.2] = -100
+    return ids, labels
+
+
+def token_loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits.float()
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+def num_targets(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())
+
+
+def policy_for(model: nn.Module, strategy: str, *, world: int, param_dtype: torch.dtype = torch.float32,
+               reduce_dtype: torch.dtype = torch.float32, prefetch: bool = True) -> ShardingPolicy:
+    return ShardingPolicy(strategy=ShardingStrategy(strategy), unit_classes=resolve_unit_classes(model, "auto"),
+                          mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+                          hybrid_shard_size=2 if strategy == "hybrid_shard" else None, prefetch=prefetch)
+
+
+def adamw(groups_or_model, weight_decay: float = 0.1) -> torch.optim.AdamW:
+    if isinstance(groups_or_model, nn.Module):
+        decay, no_decay = [], []
+        for n, p in groups_or_model.named_parameters():
+            (no_decay if default_no_weight_decay(n, p) else decay).append(p)
+        groups_or_model = [{"params": decay, "weight_decay": weight_decay},
+                           {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups_or_model, lr=1e-3, betas=(0.9, 0.95), foreach=True)
+
+
+def train_step(model: nn.Module, sharded, opt, step: int, *, accum: int, sync_each: bool,
+               max_grad_norm: float = 1.0, before_step=None) -> tuple[float, torch.Tensor]:
+    """One optimizer step over the global batch; this rank takes its slice of each micro-batch.
+    Loss per micro-batch = sum CE / global target tokens, so summed gradients equal the single-process ones."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded is not None else (0, 1)
+    ids, labels = global_batch(step)
+    total = num_targets(labels)
+    loss_sum = torch.zeros(())
+    for m, (mi, ml) in enumerate(zip(ids.chunk(accum), labels.chunk(accum), strict=True)):
+        mi, ml = mi.chunk(world)[rank], ml.chunk(world)[rank]
+        if sharded is not None:
+            sharded.set_requires_gradient_sync(sync_each or m == accum - 1)
+        loss = token_loss_sum(model, mi, ml) / total
+        loss.backward()
+        loss_sum += loss.detach()
+    if sharded is not None:
+        dist.all_reduce(loss_sum)
+        norm = sharded.clip_grad_norm_(max_grad_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if before_step is not None:
+        before_step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss_sum), norm
+
+
+def reference_copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

@@ -1,0 +1,54 @@
+"""Spawn N gloo ranks and run one function over a grid of settings in one spawn (FSDP2's run_subtests pattern).
+
+Start-up (spawn + imports + process group) costs a few seconds per spawn on this machine, so a test spawns once and
+loops over its settings inside. A failing rank raises with its traceback and the setting that failed; torch's
+spawn then terminates the other ranks (they would otherwise wait in a collective until the gloo timeout).
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import tempfile
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def grid(**axes: Iterable[Any]) -> list[dict[str, Any]]:
+    """grid(a=[1, 2], b=["x"]) -> [{"a": 1, "b": "x"}, {"a": 2, "b": "x"}]"""
+    keys = list(axes)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(axes[k] for k in keys))]
+
+
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., None],
+            settings: list[dict[str, Any]], timeout_s: float) -> None:
+    torch.set_num_threads(1)  # 2 cores shared by all ranks: more threads only oversubscribe
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        for s in settings:
+            try:
+                fn(**s)
+            except Exception as e:
+                raise RankFailure(f"rank {rank}/{world_size}, setting {s}:\n{traceback.format_exc()}") from e
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., None], world_size: int, settings: list[dict[str, Any]] | None = None,
+                    *, timeout_s: float = 120.0) -> None:
+    """Run `fn(**s)` for each s in `settings` on `world_size` ranks. `fn` must be importable (module level)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "store")
+        mp.spawn(_worker, args=(world_size, path, fn, settings or [{}], timeout_s), nprocs=world_size, join=True)

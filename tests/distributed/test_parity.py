@@ -1,0 +1,87 @@
+"""Parity (fp32): losses, sharded params and sharded grads equal single-process training, every strategy.
+
+Each rank also runs the single-process reference itself (tiny models: cheaper than a second spawn), on the whole
+global batch, with torch AdamW on the same decay/no-decay groups and torch's clip_grad_norm_.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tests.distributed.common import MODELS, adamw, build_model, policy_for, reference_copy, train_step
+from tests.distributed.harness import grid, run_distributed
+
+from shardtune.engine import shard as shardtune_backend
+from shardtune.engine import torch_backend
+
+NUM_STEPS = 20
+LOSS_RTOL = 1e-5
+
+
+def expected_shard(flat, ref_tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The slice of the reference (params or grads) this rank's shard must hold: [decay.. | no-decay.. | pad]."""
+    full = torch.cat([ref_tensors[s.name].detach().reshape(-1) for s in flat.slots])
+    full = torch.nn.functional.pad(full, (0, flat.padded_numel - flat.numel))
+    return full.chunk(flat.shard_size)[_shard_rank(flat)]
+
+
+def _shard_rank(flat) -> int:
+    return 0 if flat.shard_size == 1 else dist.get_rank() % flat.shard_size  # shard groups are consecutive ranks
+
+
+def snapshot(ref) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return params, {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def check_shards(sharded, ref_params: dict, ref_grads: dict | None) -> None:
+    for u in sharded.units:
+        for flat in u.flats:
+            torch.testing.assert_close(flat.shard, expected_shard(flat, ref_params), rtol=1e-5, atol=1e-6)
+            if ref_grads is not None and flat.requires_grad and flat.segments:
+                torch.testing.assert_close(flat.shard_grad(), expected_shard(flat, ref_grads), rtol=1e-4, atol=1e-7)
+
+
+def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend: str = "shardtune") -> None:
+    model = build_model(model_name)
+    ref = reference_copy(model)
+    policy = policy_for(model, strategy, world=dist.get_world_size())
+    lib = shardtune_backend if backend == "shardtune" else torch_backend
+    sharded = lib.shard_model(model, policy, device=torch.device("cpu"))
+    opt, ref_opt = adamw(sharded.optimizer_param_groups(0.1)), adamw(ref)
+    if backend == "shardtune":
+        check_shards(sharded, snapshot(ref)[0], None)
+    for step in range(NUM_STEPS):
+        snap: list = []  # reference params and grads after clipping, before its optimizer step
+        check = (lambda: check_shards(sharded, *snap[0])) if step == 0 and backend == "shardtune" else None
+        ref_loss, ref_norm = train_step(ref, None, ref_opt, step, accum=accum, sync_each=True,
+                                        before_step=lambda: snap.append(snapshot(ref)))
+        loss, norm = train_step(model, sharded, opt, step, accum=accum, sync_each=sync_each, before_step=check)
+        assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), (step, loss, ref_loss)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0)
+    if backend == "shardtune":
+        for u in sharded.units:  # after 20 AdamW steps the master shards still track the reference
+            for flat in u.flats:
+                torch.testing.assert_close(flat.shard, expected_shard(flat, snapshot(ref)[0]),
+                                           rtol=1e-4, atol=1e-5)
+
+
+ACCUM = [dict(accum=1, sync_each=True), dict(accum=2, sync_each=True), dict(accum=2, sync_each=False)]
+
+
+def _settings(strategies: list[str], accum: list[dict]) -> list[dict]:
+    return [dict(model_name=m, strategy=s, **a) for m in MODELS for s in strategies for a in accum]
+
+
+def test_parity_2_ranks() -> None:
+    run_distributed(_parity, 2, _settings(["full_shard", "shard_grad_op", "no_shard"], ACCUM))
+
+
+def test_parity_4_ranks() -> None:
+    run_distributed(_parity, 4, _settings(["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"],
+                                          [ACCUM[0], ACCUM[2]]))
+
+
+def test_torch_backend_matches_shardtune_2_ranks() -> None:
+    """Both backends against the same single-process reference, hence against each other (fp32)."""
+    run_distributed(_parity, 2, grid(model_name=list(MODELS), strategy=["full_shard"], accum=[2],
+                                     sync_each=[True], backend=["torch", "shardtune"]))
