@@ -82,7 +82,7 @@ class CpuMemoryTracker(TorchDispatchMode):
     def start(self) -> CpuMemoryTracker:
         gc.collect()
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            if issubclass(type(obj), torch.Tensor) and not obj.is_meta:  # type(): no __class__ lookups
                 self._update(obj.untyped_storage())
         self._peak = self._live
         _ACTIVE.append(self)
@@ -131,3 +131,14 @@ class CudaMemoryTracker:
 def memory_tracker(device: torch.device) -> CpuMemoryTracker | CudaMemoryTracker:
     """The tracker for `device`; call `.start()` before the steps to measure and `.stop()` after."""
     return CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
+
+
+def snapshot_live_bytes() -> int:
+    """Bytes of all CPU tensor storages alive now (gc scan; exact but O(objects): for tests and checkpoints)."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.device.type == "cpu":
+            st = obj.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())

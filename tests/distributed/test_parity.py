@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from tests.distributed.common import MODELS, adamw, build_model, policy_for, reference_copy, train_step
+from tests.distributed.common import MODELS, adamw, build_model, policy_for, train_step
 from tests.distributed.harness import grid, run_distributed
 
 from shardtune.engine import shard as shardtune_backend
@@ -41,28 +41,48 @@ def check_shards(sharded, ref_params: dict, ref_grads: dict | None) -> None:
                 torch.testing.assert_close(flat.shard_grad(), expected_shard(flat, ref_grads), rtol=1e-4, atol=1e-7)
 
 
+_REFERENCE: dict[tuple[str, int], dict] = {}  # per process: the reference run is shared by all strategies
+
+
+def reference_run(model_name: str, accum: int) -> dict:
+    key = (model_name, accum)
+    if key not in _REFERENCE:
+        ref = build_model(model_name)
+        opt = adamw(ref)
+        out: dict = {"init": snapshot(ref)[0], "losses": [], "norms": []}
+        for step in range(NUM_STEPS):
+            snap: list = []
+            loss, norm = train_step(ref, None, opt, step, accum=accum, sync_each=True,
+                                    before_step=lambda snap=snap: snap.append(snapshot(ref)))
+            out["losses"].append(loss)
+            out["norms"].append(norm)
+            if step == 0:
+                out["step0"] = snap[0]
+        out["final"] = snapshot(ref)[0]
+        _REFERENCE[key] = out
+    return _REFERENCE[key]
+
+
 def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend: str = "shardtune") -> None:
+    ref = reference_run(model_name, accum)
     model = build_model(model_name)
-    ref = reference_copy(model)
     policy = policy_for(model, strategy, world=dist.get_world_size())
     lib = shardtune_backend if backend == "shardtune" else torch_backend
     sharded = lib.shard_model(model, policy, device=torch.device("cpu"))
-    opt, ref_opt = adamw(sharded.optimizer_param_groups(0.1)), adamw(ref)
-    if backend == "shardtune":
-        check_shards(sharded, snapshot(ref)[0], None)
+    opt = adamw(sharded.optimizer_param_groups(0.1))
+    ours = backend == "shardtune"
+    if ours:
+        check_shards(sharded, ref["init"], None)
     for step in range(NUM_STEPS):
-        snap: list = []  # reference params and grads after clipping, before its optimizer step
-        check = (lambda: check_shards(sharded, *snap[0])) if step == 0 and backend == "shardtune" else None
-        ref_loss, ref_norm = train_step(ref, None, ref_opt, step, accum=accum, sync_each=True,
-                                        before_step=lambda: snap.append(snapshot(ref)))
+        check = (lambda: check_shards(sharded, *ref["step0"])) if step == 0 and ours else None
         loss, norm = train_step(model, sharded, opt, step, accum=accum, sync_each=sync_each, before_step=check)
+        ref_loss = ref["losses"][step]
         assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), (step, loss, ref_loss)
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0)
-    if backend == "shardtune":
+        torch.testing.assert_close(norm, ref["norms"][step], rtol=1e-4, atol=0)
+    if ours:
         for u in sharded.units:  # after 20 AdamW steps the master shards still track the reference
             for flat in u.flats:
-                torch.testing.assert_close(flat.shard, expected_shard(flat, snapshot(ref)[0]),
-                                           rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(flat.shard, expected_shard(flat, ref["final"]), rtol=1e-4, atol=1e-5)
 
 
 ACCUM = [dict(accum=1, sync_each=True), dict(accum=2, sync_each=True), dict(accum=2, sync_each=False)]

@@ -34,7 +34,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
         out.copy_(shard)
         return None
     counter.bytes += _ring_bytes(out.numel(), out.element_size(), world)
-    return dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    return dist.all_gather_single(out, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup, counter: CommCounter,
@@ -46,7 +46,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGro
         out.copy_(full)
         return None
     counter.bytes += _ring_bytes(full.numel(), full.element_size(), world)
-    return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, counter: CommCounter,

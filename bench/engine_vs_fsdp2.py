@@ -1,0 +1,174 @@
+"""Our engine (backend=shardtune) vs PyTorch FSDP2 (backend=torch), side by side on 2 CPU ranks (gloo).
+
+    .venv/bin/python bench/engine_vs_fsdp2.py                 # ~50 M-param Llama, fp32 and bf16
+    .venv/bin/python bench/engine_vs_fsdp2.py --layers 4 --steps 4   # quicker
+
+Self-contained: builds a Llama-architecture model from a config written here, drives both engines with its own
+training loop (sum CE / global target tokens, AdamW, clipping), and prints a markdown table:
+- median step time, ours / FSDP2 (steps alternate between the two backends, order flipped every step, so drift
+  from the other load on the machine hits both equally);
+- peak live tensor bytes during one step (the CPU tracker in shardtune.memory, measured in separate, untimed
+  steps because tracking slows ops), ours / FSDP2;
+- our measured comm bytes per step (forward + backward) against ring theory.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from shardtune.engine import shard as ours_backend
+from shardtune.engine import torch_backend
+from shardtune.engine.api import MixedPrecision, ShardingPolicy, ShardingStrategy
+from shardtune.memory import CpuMemoryTracker
+
+BACKENDS = {"shardtune": ours_backend, "fsdp2": torch_backend}
+
+
+def llama_config(a: argparse.Namespace) -> LlamaConfig:
+    return LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3 // 64 * 64,
+                       num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
+                       num_key_value_heads=a.hidden // 128, max_position_embeddings=a.seq,
+                       tie_word_embeddings=False)
+
+
+def build(a: argparse.Namespace, backend: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(llama_config(a), attn_implementation="sdpa")
+    policy = ShardingPolicy(strategy=ShardingStrategy.FULL_SHARD, unit_classes=(LlamaDecoderLayer,),
+                            mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32))
+    sharded = BACKENDS[backend].shard_model(model, policy, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(sharded.optimizer_param_groups(0.1), lr=1e-4, foreach=True)
+    return model, sharded, opt
+
+
+def batch(a: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This rank's slice of a fixed global batch, and the global number of target tokens."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, a.vocab, (a.batch * dist.get_world_size(), a.seq), generator=g)
+    return ids.chunk(dist.get_world_size())[dist.get_rank()], ids, ids[:, 1:].numel()
+
+
+def train_step(a, model, sharded, opt, step: int) -> tuple[float, int]:
+    ids, _, total = batch(a, step)
+    logits = model(input_ids=ids).logits.float()
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, a.vocab), ids[:, 1:].reshape(-1), reduction="sum") / total
+    before = sharded.comm_bytes()
+    loss.backward()
+    del logits
+    comm = sharded.comm_bytes() - before  # backward only; forward counted by the caller via totals
+    sharded.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    return float(loss), comm
+
+
+def ring(numel: int, elem: int, world: int) -> int:
+    return 2 * (world - 1) * numel * elem // world
+
+
+def theory_bytes(sharded, dtype: torch.dtype, world: int) -> int:
+    """full_shard, fwd+bwd: every unit gathered in forward, again in backward except the last block and the
+    root (kept), one reduce-scatter (fp32) of every trainable buffer."""
+    ag = torch.tensor([], dtype=dtype).element_size()
+    numels = [sum(p) for p in sharded.padded_numels()]
+    *blocks, root = numels
+    gathers = sum(numels) + sum(blocks[:-1])
+    return ring(gathers, ag, world) + ring(sum(numels), 4, world)
+
+
+def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> None:
+    torch.set_num_threads(a.threads)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    rows = []
+    for dtype_name in a.dtypes.split(","):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        runs = {b: build(a, b, dtype) for b in BACKENDS}
+        nparams = sum(n for p in runs["shardtune"][1].padded_numels() for n in p)
+        times: dict[str, list[float]] = {b: [] for b in BACKENDS}
+        losses: dict[str, list[float]] = {b: [] for b in BACKENDS}
+        comm = 0
+        for i in range(a.warmup + a.steps):
+            order = list(BACKENDS) if i % 2 == 0 else list(BACKENDS)[::-1]
+            for b in order:
+                model, sharded, opt = runs[b]
+                dist.barrier()
+                t0 = time.perf_counter()
+                c0 = sharded.comm_bytes()
+                loss, _ = train_step(a, model, sharded, opt, i)
+                dist.barrier()
+                if i >= a.warmup:
+                    times[b].append(time.perf_counter() - t0)
+                losses[b].append(loss)
+                if b == "shardtune":
+                    comm = sharded.comm_bytes() - c0
+        peaks = {}
+        for b in BACKENDS:  # untimed: the tracker costs Python work per op
+            model, sharded, opt = runs[b]
+            tracker = CpuMemoryTracker().start()
+            tracker.reset_peak()
+            train_step(a, model, sharded, opt, a.warmup + a.steps)
+            peak = torch.tensor(tracker.peak_bytes())
+            tracker.stop()
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            peaks[b] = int(peak)
+        clip_bytes = ring(world, 4, world) * 2 // world  # the scalar all-reduce of clipping (rounded as counted)
+        theory = theory_bytes(runs["shardtune"][1], dtype, world)
+        loss_diff = max(abs(x - y) / abs(y) for x, y in zip(losses["shardtune"], losses["fsdp2"], strict=True))
+        med = {b: statistics.median(times[b]) for b in BACKENDS}
+        rows.append((dtype_name, nparams, med, peaks, comm, theory, clip_bytes, loss_diff))
+        del runs
+    if rank == 0:
+        print_table(a, rows)
+    dist.destroy_process_group()
+
+
+def print_table(a: argparse.Namespace, rows) -> None:
+    mib = 2 ** 20
+    print(f"\nLlama {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}; {a.batch}x{a.seq} tokens/rank/step; "
+          f"2 ranks x {a.threads} thread(s), gloo; full_shard; {a.warmup} warmup + {a.steps} timed steps\n")
+    print("| dtype | params | step s (ours) | step s (FSDP2) | time ratio | peak MiB (ours) | peak MiB (FSDP2) "
+          "| memory ratio | comm MB/step (ours) | theory MB/step | max rel loss diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for dtype, n, med, peaks, comm, theory, clip, diff in rows:
+        print(f"| {dtype} | {n / 1e6:.1f} M | {med['shardtune']:.3f} | {med['fsdp2']:.3f} | "
+              f"**{med['shardtune'] / med['fsdp2']:.3f}** | {peaks['shardtune'] / mib:.1f} | "
+              f"{peaks['fsdp2'] / mib:.1f} | **{peaks['shardtune'] / peaks['fsdp2']:.3f}** | "
+              f"{comm / 1e6:.2f} | {(theory + clip) / 1e6:.2f} | {diff:.1e} |")
+    print("\ncomm theory = ring all-gather of every unit in forward + again in backward except the last block and "
+          "the root + fp32 reduce-scatter of every unit + the clipping scalar; FSDP2 (no byte counter) also "
+          "re-gathers the last block.")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=640)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks share the cores)")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(2, os.path.join(tmp, "store"), a), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
