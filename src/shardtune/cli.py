@@ -48,7 +48,8 @@ def recipes() -> None:
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns (not raises) the exit code in this mode
+        sys.exit(code if isinstance(code, int) else 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

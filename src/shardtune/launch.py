@@ -1,7 +1,7 @@
 """`shardtune train`: validate, save the resolved recipe, then start workers through torchrun.
 
 Inside an existing torchrun/srun worker (RANK and WORLD_SIZE set) the worker runs directly. A worker that hits
-a user error writes it to `<run>/.user_error` and exits 2; the launcher then prints that one line and exits 2
+a user error writes it to `<run>/.user_error` (--error-file) and exits 2; the launcher then prints that one line and exits 2
 instead of relaying torchrun's failure report (bad input never gives a traceback).
 """
 from __future__ import annotations
@@ -60,7 +60,8 @@ def torchrun_command(recipe: Recipe, recipe_file: Path, nproc: int) -> list[str]
                 f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'shardtune')}"]
         if launch.node_rank is not None:
             cmd.append(f"--node-rank={launch.node_rank}")
-    return cmd + ["-m", "shardtune.worker", str(recipe_file)]
+    error_file = Path(recipe.train.output_dir) / USER_ERROR_FILE
+    return cmd + ["-m", "shardtune.worker", str(recipe_file), f"--error-file={error_file}"]
 
 
 def launch_train(cfg: DictConfig) -> int:

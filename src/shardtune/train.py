@@ -88,11 +88,9 @@ def train(recipe: Recipe) -> dict:
 def _memory_tracker(enabled: bool, device: torch.device):
     if not enabled:
         return None
-    from shardtune.memory import MemoryTracker
+    from shardtune.memory import memory_tracker
 
-    tracker = MemoryTracker(device)
-    tracker.start()
-    return tracker
+    return memory_tracker(device).start()  # CPU: a dispatch mode over live storages (slows steps ~2-5x)
 
 
 def _print_summary(history: list[dict], acc_before: float | None, acc_after: float | None) -> None:

@@ -10,20 +10,18 @@ from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
 
 
-def run_worker(recipe: Recipe) -> int:
+def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
+    """Train; a user error is printed (one line), or written to `error_file` when the launcher will print it."""
     from shardtune.train import train
 
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     try:
         train(recipe)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        err = Path(recipe.train.output_dir) / ".user_error"
-        try:
-            err.parent.mkdir(parents=True, exist_ok=True)
-            err.write_text(str(e))
-        except OSError:
-            pass
+        if error_file is None:
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            error_file.write_text(str(e))
         return 2
     finally:
         import torch.distributed as dist
@@ -34,15 +32,18 @@ def run_worker(recipe: Recipe) -> int:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        print("usage: python -m shardtune.worker RECIPE.yaml", file=sys.stderr)
-        sys.exit(2)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m shardtune.worker")
+    parser.add_argument("recipe", help="the resolved recipe.yaml the launcher wrote")
+    parser.add_argument("--error-file", type=Path, default=None, help="write a user error here instead of stderr")
+    args = parser.parse_args()
     try:
-        recipe = load_recipe(sys.argv[1])
+        recipe = load_recipe(args.recipe)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(run_worker(recipe))
+    sys.exit(run_worker(recipe, args.error_file))
 
 
 if __name__ == "__main__":

@@ -90,7 +90,10 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
 def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
     for key in PATH_KEYS:
         value = OmegaConf.select(cfg, key)
-        if value is None or str(value).startswith("builtin:"):
+        if value is None:
+            continue
+        if str(value).startswith("builtin:"):
+            _check_builtin(key, str(value))
             continue
         p = Path(str(value)).expanduser()
         candidates = [p] if p.is_absolute() else [Path.cwd() / p, recipe_dir / p, PACKAGE_DIR / p]
@@ -99,6 +102,15 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
             raise UserError(f"{key}: file or folder '{value}' does not exist: fix the path (relative paths are "
                             f"tried against the cwd, the recipe's folder and the package)")
         OmegaConf.update(cfg, key, str(found.resolve()))
+
+
+def _check_builtin(key: str, value: str) -> None:
+    from shardtune.data.synthetic import TASKS
+
+    name = value.split(":", 1)[1]
+    known = {"data.path": sorted(TASKS), "model.tokenizer": ["char"]}.get(key, [])
+    if name not in known:
+        raise UserError(f"{key}: unknown '{value}': choose from {['builtin:' + k for k in known]} or a path")
 
 
 def load_recipe_config(recipe: str | Path, overrides: list[str] = ()) -> DictConfig:

@@ -38,6 +38,7 @@ def load_raw(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
                             f"{sorted(synthetic.TASKS)}") from None
     import datasets  # heavy import, only when a file is read
 
+    datasets.disable_progress_bars()  # one bar per rank is noise in logs
     path = Path(cfg.path)
     try:
         if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):

@@ -1,0 +1,56 @@
+"""`shardtune train` end to end: 2 CPU workers via torchrun, the run directory, and final/ that HF loads."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
+FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "comm_bytes", "peak_mem_bytes"}
+
+
+def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [SHARDTUNE, "train", "tiny-cpu", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=6",
+           "data.num_samples=400", "train.eval_every=3", "train.demo_eval_samples=8", "train.profile_memory=true",
+           *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["torch", "shardtune"])
+def test_train_two_workers_end_to_end(tmp_path, backend):
+    proc = train(tmp_path, f"engine.backend={backend}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 7))
+    assert FIELDS <= lines[0].keys()
+    assert "eval_loss" in lines[2] and "eval_loss" in lines[5]
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    assert all(r["peak_mem_bytes"] > 0 for r in lines)
+    resolved = OmegaConf.load(run / "recipe.yaml")
+    assert resolved.train.max_steps == 6 and resolved.engine.backend == backend
+    assert list((run / "tensorboard").glob("events.out.tfevents.*")) and (run / "loss.png").stat().st_size > 1000
+    assert "held-out exact-match accuracy" in proc.stdout
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    ids = tok("<s>reverse abc=", return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    # The exported weights are the trained ones: their loss on a training row matches the run's direction.
+    assert torch.isfinite(model(**ids).logits).all()
+
+
+def test_data_error_in_worker_is_one_line(tmp_path):
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"body": "no text column"}\n')
+    proc = train(tmp_path, f"data.path={bad}", "data.format=text")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "column" in err[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -1,0 +1,91 @@
+"""Bad input never gives a traceback: each case exits 2 with one line naming the key/file and a fix."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.cli_helpers import run_cli
+
+BAD_OVERRIDES = [
+    (["train.lrr=1e-4"], "train.lrr"),  # unknown key (with a suggestion)
+    (["foo.bar=1"], "foo"),  # unknown section
+    (["train.max_steps=abc"], "train.max_steps"),  # wrong type
+    (["train.micro_batch_size=0"], "train.micro_batch_size"),  # out of range
+    (["train.grad_accum=-1"], "train.grad_accum"),
+    (["train.lr=-1"], "train.lr"),
+    (["engine.strategy=zero3"], "engine.strategy"),  # not a choice
+    (["engine.mixed_precision=fp16"], "engine.mixed_precision"),
+    (["engine.activation_checkpointing=0"], "engine.activation_checkpointing"),
+    (["lora.dropout=1.5"], "lora.dropout"),
+    (["data.seq_len=2"], "data.seq_len"),
+    (["data.format=csv"], "data.format"),
+    (["model.config=/nonexistent/config.json"], "model.config"),  # missing file
+    (["data.path=/nonexistent/data.jsonl"], "data.path"),
+    (["data.path=builtin:nosuch"], "data.path"),  # unknown builtin
+    (["train.lr"], "train.lr"),  # not KEY=VALUE
+    (["launch.nproc_per_node=0"], "launch.nproc_per_node"),
+    (["engine.strategy=hybrid_shard", "engine.hybrid_shard_size=3"], "engine.hybrid_shard_size"),  # impossible
+    (["launch.device=cuda"], "launch.device"),  # no GPU on the test machine
+    (["model.init=pretrained"], "model.path"),  # conflicting options
+    (["train.schedule=exp"], "train.schedule"),
+    (["engine.wrap=[NoSuchLayer]"], None),  # checked when the model is built; validate accepts class names
+]
+
+
+@pytest.mark.parametrize("overrides,key", [c for c in BAD_OVERRIDES if c[1]], ids=lambda v: str(v))
+def test_bad_override_is_one_line_exit_2(overrides, key, capsys):
+    if key == "launch.device":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+    code, out, err = run_cli(["validate", "tiny-cpu", *overrides], capsys)
+    assert code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert key in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+BAD_FILES = {
+    "missing": None,
+    "invalid_yaml": "model: [unclosed\n",
+    "not_mapping": "- a\n- b\n",
+    "unknown_key_in_file": "train:\n  max_stepz: 3\n",
+    "wrong_type_in_file": "train:\n  max_steps: ten\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_recipe_file(name, tmp_path, capsys):
+    path = tmp_path / f"{name}.yaml"
+    if BAD_FILES[name] is not None:
+        path.write_text(BAD_FILES[name])
+    code, _, err = run_cli(["validate", str(path)], capsys)
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert path.name in lines[0] or "train.max_step" in lines[0], lines[0]
+
+
+def test_unknown_key_suggests_the_right_one(capsys):
+    _, _, err = run_cli(["validate", "tiny-cpu", "train.lrr=1e-4"], capsys)
+    assert "did you mean 'train.lr'" in err
+
+
+def test_real_process_prints_no_traceback(tmp_path):
+    """The installed console script, not just main(): exit code 2 and one line on stderr."""
+    exe = Path(sys.executable).with_name("shardtune")
+    proc = subprocess.run([str(exe), "train", "tiny-cpu", "train.micro_batch_size=0"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "micro_batch_size" in proc.stderr
+
+
+def test_good_recipe_validates(capsys):
+    code, out, err = run_cli(["validate", "tiny-cpu", "train.lr=1e-4"], capsys)
+    assert code == 0, err
+    assert out.startswith("ok: tiny-cpu")
