@@ -16,7 +16,8 @@ def _inference(model_name: str, strategy: str, param_dtype: torch.dtype) -> None
     model = build_model(model_name).eval()
     sharded = shard_model(model, policy_for(model, strategy, world=dist.get_world_size(), param_dtype=param_dtype),
                           device=torch.device("cpu"))
-    ref = ref.to(param_dtype)
+    for p in ref.parameters():  # like the engine's mixed precision: params in param_dtype, buffers (RoPE) as built
+        p.data = p.data.to(param_dtype)
     ids, _ = global_batch(0)
     prompt = ids[:2, :6]
     with torch.no_grad():
