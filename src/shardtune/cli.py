@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,7 @@ OVERRIDES = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.lr
 
 
 @app.command()
-def train(recipe: str = RECIPE, overrides: Optional[list[str]] = OVERRIDES) -> None:
+def train(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> None:
     """Train: starts launch.nproc_per_node workers via torchrun (or runs as one inside torchrun/srun)."""
     from shardtune.config.load import load_recipe_config
     from shardtune.launch import launch_train
@@ -26,7 +25,7 @@ def train(recipe: str = RECIPE, overrides: Optional[list[str]] = OVERRIDES) -> N
 
 
 @app.command()
-def validate(recipe: str = RECIPE, overrides: Optional[list[str]] = OVERRIDES) -> None:
+def validate(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> None:
     """Check a recipe (schema, values, files, sharding vs world size) without building anything heavy."""
     from shardtune.config.load import load_recipe
     from shardtune.launch import check_launch

@@ -15,7 +15,7 @@ from shardtune.export import save_final
 from shardtune.metrics import MetricsLog
 from shardtune.model import build_model, build_tokenizer
 from shardtune.parallelize import parallelize
-from shardtune.runtime import Runtime, all_reduce_max, all_reduce_sum, init_runtime
+from shardtune.runtime import all_reduce_max, all_reduce_sum, init_runtime
 
 
 def train(recipe: Recipe) -> dict:

@@ -19,12 +19,11 @@ def grads_after_one_step(world: int, accum: int, rank: int, backend: str | None)
     tok = build_tokenizer(recipe.model)
     data = build_data(recipe.data, tok, seed=0)
     model = build_model(recipe.model, seed=0)
-    sharded = None
-    if backend is not None:
+    if backend is not None:  # wrap only; the hooks do the rest (gradients summed over ranks)
         from shardtune.parallelize import parallelize
 
         recipe.engine.backend = backend
-        sharded = parallelize(model, recipe, device=torch.device("cpu"), world_size=world)
+        parallelize(model, recipe, device=torch.device("cpu"), world_size=world)
     batches = GlobalBatches(data.train, micro_batch_size=2, grad_accum=accum, world_size=world, seed=0)
     micro, total = batches.step(3, rank)
     loss_sum = 0.0

@@ -45,7 +45,7 @@ def test_resolved_recipe_round_trips(tmp_path):
 def test_every_bundled_recipe_validates():
     recipes = list_bundled_recipes()  # rglob: sub-folders included
     assert "tiny-cpu" in recipes
-    for name, path in recipes.items():
+    for path in recipes.values():
         load_recipe(path)  # raises UserError on any problem
 
 

@@ -7,15 +7,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune.config.schema import DataConfig
+from shardtune.config.load import PACKAGE_DIR
+from shardtune.config.schema import DataConfig, ModelConfig
 from shardtune.data import GlobalBatches, build_data
 from shardtune.data.batches import num_targets
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.formats import IGNORE, encode_row
 from shardtune.data.packing import pack
 from shardtune.model import load_config
-from shardtune.config.schema import ModelConfig
-from shardtune.config.load import PACKAGE_DIR
 
 TOK = build_char_tokenizer()
 

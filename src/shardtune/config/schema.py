@@ -6,7 +6,7 @@ Each field's docstring-style comment is the help text. `__post_init__` checks va
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -16,9 +16,9 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    config: Optional[str] = None  # HF config.json (architecture only); used with init=random
-    path: Optional[str] = None  # local HF checkpoint dir (config + safetensors [+ tokenizer])
-    tokenizer: Optional[str] = None  # local tokenizer dir/file; default: model.path
+    config: str | None = None  # HF config.json (architecture only); used with init=random
+    path: str | None = None  # local HF checkpoint dir (config + safetensors [+ tokenizer])
+    tokenizer: str | None = None  # local tokenizer dir/file; default: model.path
     init: str = "random"  # random | pretrained
     dtype: str = "fp32"  # fp32 | bf16: dtype the weights are built in before sharding
     attn_implementation: str = "sdpa"  # sdpa | eager
@@ -48,7 +48,7 @@ class LoraConfig:
 class EngineConfig:
     backend: str = "shardtune"  # shardtune (our engine) | torch (PyTorch FSDP2 fully_shard, the A/B reference)
     strategy: str = "full_shard"  # full_shard | shard_grad_op | no_shard | hybrid_shard
-    hybrid_shard_size: Optional[int] = None  # ranks per shard group for hybrid_shard (default: one node)
+    hybrid_shard_size: int | None = None  # ranks per shard group for hybrid_shard (default: one node)
     wrap: Any = "auto"  # auto = the model's decoder-block class (_no_split_modules), or a list of class names
     mixed_precision: str = "fp32"  # bf16 = bf16 compute/all-gather, fp32 master weights + optimizer
     reduce_dtype: str = "fp32"  # dtype of gradient reduce-scatter/all-reduce: fp32 | bf16
@@ -77,7 +77,7 @@ class EngineConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    path: Optional[str] = None  # jsonl/json/parquet/txt file or folder, a saved datasets dir, or builtin:NAME
+    path: str | None = None  # jsonl/json/parquet/txt file or folder, a saved datasets dir, or builtin:NAME
     format: str = "text"  # text | instruction | chat
     text_field: str = "text"  # column for format=text
     prompt_field: str = "prompt"  # columns for format=instruction
@@ -136,10 +136,10 @@ class LaunchConfig:
     nproc_per_node: Any = "auto"  # auto = all GPUs, else 2 CPU workers
     nnodes: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    rdzv_endpoint: Optional[str] = None  # host:port of the c10d rendezvous for multi-node (torchrun)
-    node_rank: Optional[int] = None
+    rdzv_endpoint: str | None = None  # host:port of the c10d rendezvous for multi-node (torchrun)
+    node_rank: int | None = None
     max_restarts: int = 0  # torchrun restarts a failed job this many times (it resumes from the latest checkpoint)
-    threads_per_worker: Optional[int] = None  # CPU: torch threads per worker (default: cores / workers)
+    threads_per_worker: int | None = None  # CPU: torch threads per worker (default: cores / workers)
 
     def __post_init__(self) -> None:
         n = self.nproc_per_node
@@ -154,7 +154,7 @@ class LaunchConfig:
 class HardwareConfig:
     gpu: str = "rtx4090-24gb"  # a profile in configs/hardware/ (what plan checks against)
     num_gpus: int = 4
-    host_ram_gb: Optional[float] = None
+    host_ram_gb: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.num_gpus >= 1, "hardware.num_gpus", f"must be >= 1, got {self.num_gpus}")
