@@ -1,14 +1,15 @@
 """Our engine (backend=shardtune) vs PyTorch FSDP2 (backend=torch), side by side on 2 CPU ranks (gloo).
 
-    .venv/bin/python bench/engine_vs_fsdp2.py                 # ~50 M-param Llama, fp32 and bf16
-    .venv/bin/python bench/engine_vs_fsdp2.py --layers 4 --steps 4   # quicker
+    .venv/bin/python bench/engine_vs_fsdp2.py                 # 31 M-param Llama, fp32 and bf16, ~4 min
+    .venv/bin/python bench/engine_vs_fsdp2.py --dtypes fp32 --layers 4   # quicker
 
 Self-contained: builds a Llama-architecture model from a config written here, drives both engines with its own
 training loop (sum CE / global target tokens, AdamW, clipping), and prints a markdown table:
 - median step time, ours / FSDP2 (steps alternate between the two backends, order flipped every step, so drift
   from the other load on the machine hits both equally);
-- peak live tensor bytes during one step (the CPU tracker in shardtune.memory, measured in separate, untimed
-  steps because tracking slows ops), ours / FSDP2;
+- peak live tensor bytes of the whole rank during one training step (params, grads, AdamW state, gathered
+  units, activations; the CPU tracker in shardtune.memory), ours / FSDP2, max over ranks; measured after the timed
+  steps with only one backend's model alive, in an untimed step (tracking slows ops);
 - our measured comm bytes per step (forward + backward) against ring theory.
 """
 from __future__ import annotations
@@ -102,7 +103,8 @@ def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> Non
         times: dict[str, list[float]] = {b: [] for b in BACKENDS}
         losses: dict[str, list[float]] = {b: [] for b in BACKENDS}
         comm = 0
-        for i in range(a.warmup + a.steps):
+        steps = a.bf16_steps if dtype == torch.bfloat16 else a.steps  # CPU bf16 matmuls are emulated: ~9x slower
+        for i in range(a.warmup + steps):
             order = list(BACKENDS) if i % 2 == 0 else list(BACKENDS)[::-1]
             for b in order:
                 model, sharded, opt = runs[b]
@@ -116,22 +118,24 @@ def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> Non
                 losses[b].append(loss)
                 if b == "shardtune":
                     comm = sharded.comm_bytes() - c0
+        theory = theory_bytes(runs["shardtune"][1], dtype, world)
+        del runs, model, sharded, opt
         peaks = {}
-        for b in BACKENDS:  # untimed: the tracker costs Python work per op
-            model, sharded, opt = runs[b]
+        for b in BACKENDS:  # one backend alive at a time; untimed: the tracker costs Python work per op
+            model, sharded, opt = build(a, b, dtype)
+            train_step(a, model, sharded, opt, 0)  # optimizer states exist from here on, as in training
             tracker = CpuMemoryTracker().start()
             tracker.reset_peak()
-            train_step(a, model, sharded, opt, a.warmup + a.steps)
+            train_step(a, model, sharded, opt, 1)
             peak = torch.tensor(tracker.peak_bytes())
             tracker.stop()
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             peaks[b] = int(peak)
-        clip_bytes = ring(world, 4, world) * 2 // world  # the scalar all-reduce of clipping (rounded as counted)
-        theory = theory_bytes(runs["shardtune"][1], dtype, world)
+            del model, sharded, opt
+        clip_bytes = 2 * ring(1, 4, world)  # the scalar all-reduce of clipping, as counted
         loss_diff = max(abs(x - y) / abs(y) for x, y in zip(losses["shardtune"], losses["fsdp2"], strict=True))
         med = {b: statistics.median(times[b]) for b in BACKENDS}
         rows.append((dtype_name, nparams, med, peaks, comm, theory, clip_bytes, loss_diff))
-        del runs
     if rank == 0:
         print_table(a, rows)
     dist.destroy_process_group()
@@ -140,7 +144,8 @@ def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> Non
 def print_table(a: argparse.Namespace, rows) -> None:
     mib = 2 ** 20
     print(f"\nLlama {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}; {a.batch}x{a.seq} tokens/rank/step; "
-          f"2 ranks x {a.threads} thread(s), gloo; full_shard; {a.warmup} warmup + {a.steps} timed steps\n")
+          f"2 ranks x {a.threads} thread(s), gloo; full_shard; {a.warmup} warmup + {a.steps} (fp32) / "
+          f"{a.bf16_steps} (bf16) timed steps per backend\n")
     print("| dtype | params | step s (ours) | step s (FSDP2) | time ratio | peak MiB (ours) | peak MiB (FSDP2) "
           "| memory ratio | comm MB/step (ours) | theory MB/step | max rel loss diff |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -157,12 +162,13 @@ def print_table(a: argparse.Namespace, rows) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=640)
+    p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=6, help="timed fp32 steps per backend")
+    p.add_argument("--bf16-steps", type=int, default=3, help="timed bf16 steps per backend")
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks share the cores)")
     p.add_argument("--dtypes", default="fp32,bf16")
     a = p.parse_args()

@@ -119,6 +119,15 @@ def _memory(model_name: str) -> None:
     # and the tracker does see the gathers: at least the root and one unit were live at once
     assert peak >= root + max(blocks), (peak, root + max(blocks))
     loss.backward()
+    assert sharded.model_state_bytes() == 2 * shard_bytes
+
+    # Accumulating without sync keeps every unit's unsharded fp32 gradient (what plan charges for it).
+    sharded.set_requires_gradient_sync(False)
+    (token_loss_sum(model, ids, labels) / num_targets(labels)).backward()
+    assert sharded.model_state_bytes() == 2 * shard_bytes + sum(unit_bytes)
+    sharded.set_requires_gradient_sync(True)
+    (token_loss_sum(model, ids, labels) / num_targets(labels)).backward()
+    assert sharded.model_state_bytes() == 2 * shard_bytes
 
 
 def test_memory_accounting_2_ranks() -> None:

@@ -87,8 +87,10 @@ class ShardtuneModel:
         return self.ctx.counter.bytes
 
     def model_state_bytes(self) -> int:
-        """This rank's sharded params (+ their grads when live), excluding optimizer state and gathered buffers."""
-        return sum(f.state_bytes() for u in self.units for f in u.flats)
+        """This rank's sharded params (+ their grads when live) and unsharded grads kept while sync is off;
+        excludes optimizer state and gathered parameter buffers."""
+        kept = sum(g.nbytes for u in self.units for g in u._unsharded_grads.values())
+        return sum(f.state_bytes() for u in self.units for f in u.flats) + kept
 
     def padded_numels(self) -> list[list[int]]:
         """Per unit (forward order, root last): padded numel P of each flat buffer. For accounting tests/bench."""
@@ -108,6 +110,21 @@ class ShardtuneModel:
                     for s in flat.slots:
                         yield s.name, full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
                 del full
+
+    # -- checkpoints (see state_dict.py): per-original-parameter keys, loadable at another world size ---------------
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from shardtune.engine import state_dict
+
+        shard_rank = 0 if self.ctx.shard_group is None else dist.get_rank(self.ctx.shard_group)
+        return state_dict.checkpoint_state(self.units, shard_rank, group_size(self.ctx.shard_group), optimizer,
+                                           self.module)
+
+    def load_checkpoint_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """After `dcp.load(state)` filled the chunks in place: step counters, replicas."""
+        from shardtune.engine import state_dict
+
+        state_dict.after_load(state, self.units, group_size(self.ctx.shard_group), self.ctx.replicate_group,
+                              optimizer)
 
 
 def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> ShardtuneModel:
