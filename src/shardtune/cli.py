@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -37,12 +38,44 @@ def validate(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> N
 
 
 @app.command()
+def slurm(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
+          nodes: int = typer.Option(..., "--nodes", help="Nodes in the job (one task per node, each runs torchrun)."),
+          gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node (= workers per node)."),
+          partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
+          time: str | None = typer.Option(None, "--time", help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS."),
+          account: str | None = typer.Option(None, "--account", help="SLURM account to charge."),
+          out: Path | None = typer.Option(None, "-o", "--output", help="Write the script here (default: stdout)."),
+          force: bool = typer.Option(False, "--force", help="Write the script even if `plan` says it does not fit."),
+          ) -> None:
+    """Write an sbatch script: N nodes, torchrun per node, checkpoint + requeue on preemption (USR1)."""
+    from shardtune.slurm import SlurmJob, write_sbatch
+
+    job = SlurmJob(nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time=time, account=account)
+    summary = write_sbatch(recipe, overrides or [], job, out=out, force=force)
+    if summary:
+        typer.echo(summary, err=True)
+
+
+@app.command()
 def recipes() -> None:
     """List the bundled recipes with their one-line descriptions."""
     from shardtune.config.load import RECIPES_DIR, bundled_description, list_bundled_recipes
 
     for name, path in list_bundled_recipes().items():
         typer.echo(f"{name:<36} {bundled_description(path)}  [{path.relative_to(RECIPES_DIR)}]")
+
+
+@app.command()
+def export(checkpoint: str = typer.Argument(..., help="<output_dir>/checkpoints/step_N (or the checkpoints folder: "
+                                            "its newest)"),
+           out_dir: str = typer.Argument(..., help="Folder to write: HF safetensors (+ index) or a PEFT adapter."),
+           max_shard_size_mb: int = typer.Option(2048, help="Split the safetensors output into files of this size.")
+           ) -> None:
+    """Consolidate a sharded checkpoint, streamed tensor by tensor (peak memory ~ one output file)."""
+    from shardtune.checkpoint.consolidate import export_checkpoint
+
+    files = export_checkpoint(Path(checkpoint), Path(out_dir), max_shard_bytes=max_shard_size_mb * 1024**2)
+    typer.echo(f"wrote {len(files)} file(s) to {out_dir}")
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
-"""`final/`: the trained model in HF format (or a PEFT adapter with LoRA), gathered unit by unit to rank 0."""
+"""`final/` (HF format, gathered unit by unit to rank 0) and the export info a checkpoint carries."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -23,3 +25,18 @@ def save_final(sharded: ShardedModel, hf_model: PreTrainedModel, tok: PreTrained
     if hf_model.generation_config is not None:
         hf_model.generation_config.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def param_shapes(model: PreTrainedModel) -> dict[str, dict[str, Any]]:
+    """Names, shapes and dtypes of the trainable parameters, read before sharding (checkpoints store them 1-D)."""
+    return {n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
+def write_export_info(hf_model: PreTrainedModel, tok: PreTrainedTokenizerBase, shapes: dict[str, Any],
+                      out: Path) -> None:
+    """What `shardtune export` needs beside the shards: config, tokenizer, parameter shapes."""
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model.config.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "params.json").write_text(json.dumps(shapes, indent=1))

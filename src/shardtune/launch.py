@@ -7,6 +7,7 @@ instead of relaying torchrun's failure report (bad input never gives a traceback
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from shardtune.parallelize import check_world
 from shardtune.runtime import pick_device_type
 
 USER_ERROR_FILE = ".user_error"
+EXIT_CODE_FILE = ".exit_code"  # a worker's documented exit code (preempted 75, diverged 4) survives torchrun
 
 
 def in_worker_env() -> bool:
@@ -43,7 +45,7 @@ def workers_per_node(recipe: Recipe) -> int:
 def check_launch(recipe: Recipe) -> int:
     """Everything we can check before a process starts; returns workers per node."""
     nproc = workers_per_node(recipe)
-    check_world(recipe.engine, nproc * recipe.launch.nnodes)
+    check_world(recipe.engine, nproc * recipe.launch.nnodes, nproc)
     if recipe.launch.nnodes > 1 and not recipe.launch.rdzv_endpoint:
         raise UserError("launch.nnodes > 1 needs launch.rdzv_endpoint=HOST:PORT (the first node's address)")
     return nproc
@@ -64,7 +66,23 @@ def torchrun_command(recipe: Recipe, recipe_file: Path, nproc: int) -> list[str]
     return cmd + ["-m", "shardtune.worker", str(recipe_file), f"--error-file={error_file}"]
 
 
+def _forward_stop_signals(proc: subprocess.Popen) -> None:
+    """SIGTERM/SIGUSR1/SIGINT to the launcher -> SIGTERM to torchrun, which passes it to every worker: they finish
+    the step, checkpoint and exit 75. (torchrun has no SIGUSR1 handler: forwarded as is, it would just die.)"""
+
+    def forward(signum: int, frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, forward)
+
+
 def launch_train(cfg: DictConfig) -> int:
+    if not in_worker_env():
+        from shardtune.slurm import apply_allocation
+
+        cfg = apply_allocation(cfg)  # inside `srun`, one task per node: nodes and rendezvous from SLURM
     recipe = to_recipe(cfg)
     if in_worker_env():
         from shardtune.worker import run_worker
@@ -76,11 +94,16 @@ def launch_train(cfg: DictConfig) -> int:
     recipe_file = run_dir / "recipe.yaml"
     recipe_file.write_text(to_yaml(cfg))  # resolved: every default, override and path, so a run is reproducible
     (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
+    (run_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
     env = dict(os.environ)
     if pick_device_type(recipe.launch) == "cpu":
         threads = recipe.launch.threads_per_worker or max(1, (os.cpu_count() or 2) // nproc)
         env["OMP_NUM_THREADS"] = str(threads)  # one worker per core share: oversubscription halves speed
+    # SLURM delivers a step's signals to every process in it: torchrun's agent has no USR1 handler and would die
+    # (killing the workers mid-checkpoint), so it inherits SIG_IGN from here; the workers set their own handler.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     proc = subprocess.Popen(torchrun_command(recipe, recipe_file, nproc), env=env, stderr=subprocess.PIPE, text=True)
+    _forward_stop_signals(proc)
     assert proc.stderr is not None
     for line in proc.stderr:  # relay live, but drop torchrun's report once a worker has said what was wrong
         if not (run_dir / USER_ERROR_FILE).exists():
@@ -89,4 +112,7 @@ def launch_train(cfg: DictConfig) -> int:
     err_file = run_dir / USER_ERROR_FILE
     if code != 0 and err_file.exists():
         raise UserError(err_file.read_text().strip())
+    code_file = run_dir / EXIT_CODE_FILE
+    if code != 0 and code_file.exists():  # torchrun reports 1 for any failed worker; keep the worker's reason
+        return int(code_file.read_text())
     return code

@@ -10,7 +10,7 @@ from typing import Any
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, *, max_steps: int, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, *, max_steps: int, enabled: bool, start_step: int = 0) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = max_steps
@@ -21,6 +21,8 @@ class MetricsLog:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.history = _read_until(self.path, start_step)  # on resume: keep lines up to the checkpoint, drop later
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         self._file = self.path.open("a")
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -33,7 +35,7 @@ class MetricsLog:
 
             self._progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                                       TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self._task = self._progress.add_task("train", total=max_steps, info="")
+            self._task = self._progress.add_task("train", total=max_steps, completed=start_step, info="")
             self._progress.start()
 
     def log(self, record: dict[str, Any]) -> None:
@@ -54,8 +56,11 @@ class MetricsLog:
             eta = elapsed / max(record["step"], 1) * (self.max_steps - record["step"])
             print(f"step {record['step']}/{self.max_steps} {info} eta={eta:.0f}s", flush=True)
 
+    def last_loss(self) -> float | None:
+        return self.history[-1]["loss"] if self.history else None
+
     def close(self, run_dir: Path) -> None:
-        if not self.enabled:
+        if not self.enabled or self._file.closed:
             return
         if self._progress is not None:
             self._progress.stop()
@@ -63,6 +68,33 @@ class MetricsLog:
             self._tb.close()
         self._file.close()
         plot_loss(self.history, run_dir / "loss.png")
+
+
+    def print_summary(self, acc_before: float | None, acc_after: float | None) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        history = self.history
+        table = Table(title="loss")
+        for col in ("step", "loss", "eval_loss", "tokens/s"):
+            table.add_column(col, justify="right")
+        picks = sorted({0, len(history) // 4, len(history) // 2, 3 * len(history) // 4, len(history) - 1})
+        for i in picks:
+            if 0 <= i < len(history):
+                r = history[i]
+                ev = f"{r['eval_loss']:.4f}" if "eval_loss" in r else ""
+                table.add_row(str(r["step"]), f"{r['loss']:.4f}", ev, f"{r['tokens_per_s']:.0f}")
+        console = Console()
+        console.print(table)
+        if acc_before is not None and acc_after is not None:
+            console.print(f"held-out exact-match accuracy: before {acc_before:.1%} -> after {acc_after:.1%}")
+
+
+def _read_until(path: Path, step: int) -> list[dict[str, Any]]:
+    if step == 0 or not path.exists():
+        return []
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return [r for r in rows if r["step"] <= step]
 
 
 def _fmt(v: Any) -> str:

@@ -12,11 +12,19 @@ from shardtune.errors import UserError
 
 def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     """Train; a user error is printed (one line), or written to `error_file` when the launcher will print it."""
-    from shardtune.train import train
+    from shardtune.train import TrainingStopped, train
 
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     try:
         train(recipe)
+    except TrainingStopped as e:  # preempted (checkpoint saved) or diverged: a message, a documented code
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"shardtune: {e}", file=sys.stderr, flush=True)
+        if error_file is not None and e.code != 0:
+            error_file.with_name(".exit_code").write_text(str(e.code))
+        return e.code
     except UserError as e:
         if error_file is None:
             print(f"error: {e}", file=sys.stderr)

@@ -112,7 +112,10 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 0  # steps between eval_loss lines (0: only at the end when eval data exists)
     eval_batches: int = 4  # batches per eval
-    save_every: int = 0  # steps between sharded checkpoints (0: none)
+    save_every: int = 0  # steps between sharded checkpoints, plus one at the end (0: none)
+    keep_last: int = 0  # complete checkpoints to keep (0: all)
+    resume: str = "auto"  # auto = newest complete checkpoint in output_dir | none | a checkpoints/step_N path
+    skip_nonfinite: int = 0  # steps with a NaN/inf loss or grad norm to skip (then stop); 0: stop at the first
     log_every: int = 1  # steps between progress lines
     profile_memory: bool = False  # CPU: peak live tensor bytes; CUDA: max_memory_allocated
     demo_eval: bool = False  # print held-out exact-match accuracy before and after training (builtin tasks)
@@ -122,7 +125,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "eval_batches", "demo_eval_samples"):
             _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
-        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
+        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "keep_last",
+                    "skip_nonfinite"):
             _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _check(self.schedule in ("cosine", "linear", "constant"), "train.schedule",

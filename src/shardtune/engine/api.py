@@ -69,3 +69,10 @@ class ShardedModel(Protocol):
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective. Yields (original name, full CPU tensor) on rank 0, unit by unit; other ranks yield nothing.
         Names are the original module's parameter names (as in named_parameters()), trainable and frozen."""
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of a resumable checkpoint (model + optimizer), as a dict `torch.distributed.checkpoint`
+        saves and loads in place. Keys follow the original parameter names."""
+
+    def load_checkpoint_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Finish a load after `dcp.load(state)` filled the dict returned by `checkpoint_state`."""

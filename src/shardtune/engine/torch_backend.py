@@ -73,6 +73,20 @@ class TorchShardedModel:
                 yield name, full.detach().to("cpu", copy=True)
             del full
 
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from shardtune.engine.state_dict import init_optimizer_state
+
+        init_optimizer_state(optimizer)  # so a resume can load into existing state tensors
+        model_sd, optim_sd = get_state_dict(self.module, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_checkpoint_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
 
 def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> TorchShardedModel:
     mesh = build_mesh(device.type, policy.strategy, policy.hybrid_shard_size)

@@ -1,0 +1,170 @@
+"""Sharded, resumable, atomic checkpoints with torch.distributed.checkpoint (DCP).
+
+    <output_dir>/checkpoints/
+        step_20/            complete: DCP shards + trainer.json (written last) + scheduler.pt + rng_rank*.pt
+                            + hf/ (config, tokenizer, params.json: what `shardtune export` needs)
+        latest              text "step_20", replaced atomically after the rename
+        .tmp-step_30/       being written; never read; removed (with a warning) on resume
+
+A save goes to the temp dir, every file is fsynced, then rank 0 renames it and updates `latest`: a crash at any
+moment leaves the previous complete checkpoint loadable. A failure on any rank (a full disk...) is agreed on by all
+ranks, the temp dir is removed, and training continues with a warning that the previous checkpoint is intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from shardtune.errors import UserError
+
+TRAINER_FILE = "trainer.json"  # written last: its presence marks a complete checkpoint
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    with tmp.open("rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def _agree_ok(ok: bool) -> bool:
+    """True only if every rank is ok (one all-reduce)."""
+    t = torch.tensor([0 if ok else 1])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t) == 0
+
+
+def is_complete(d: Path) -> bool:
+    return (d / TRAINER_FILE).is_file()
+
+
+def find_resume_dir(output_dir: Path, resume: str, *, is_main: bool) -> Path | None:
+    """`auto`: the newest complete checkpoint in output_dir (None if there is none); `none`: None; else a path."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        d = Path(resume)
+        if not is_complete(d):
+            raise UserError(f"train.resume: '{resume}' is not a complete checkpoint (no {TRAINER_FILE}): "
+                            "point it at checkpoints/step_N or use train.resume=auto")
+        return d
+    root = output_dir / "checkpoints"
+    if not root.is_dir():
+        return None
+    for tmp in sorted(root.glob(".tmp-*")):
+        if is_main:
+            warnings.warn(f"ignoring incomplete checkpoint {tmp} (a save was interrupted); removing it", stacklevel=2)
+            shutil.rmtree(tmp, ignore_errors=True)
+    latest = root / "latest"
+    if latest.is_file():
+        d = root / latest.read_text().strip()
+        if is_complete(d):
+            return d
+    done = sorted((d for d in root.glob("step_*") if is_complete(d)), key=lambda d: int(d.name.split("_")[1]))
+    return done[-1] if done else None
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: Path, *, keep_last: int, is_main: bool, rank: int) -> None:
+        self.root = output_dir / "checkpoints"
+        self.keep_last = keep_last
+        self.is_main = is_main
+        self.rank = rank
+
+    def save(self, step: int, state: dict[str, Any], scheduler: Any, export_info: dict[str, Any],
+             write_hf: Any = None, storage_writer: dcp.StorageWriter | None = None) -> Path | None:
+        """Collective. Returns the checkpoint dir, or None when the save failed (previous one intact)."""
+        final = self.root / f"step_{step}"
+        tmp = self.root / f".tmp-step_{step}"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        ok, err = True, ""
+        try:
+            dcp.save(state, checkpoint_id=str(tmp), storage_writer=storage_writer)
+            torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
+            if self.is_main:
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+                if write_hf is not None:
+                    write_hf(tmp / "hf")
+                _fsync_tree(tmp)
+        except Exception as e:  # OSError (disk full), CheckpointException wrapping it, ...
+            ok, err = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if not _agree_ok(ok):
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                prev = self.latest_name() or "none yet"
+                warnings.warn(f"checkpoint at step {step} failed ({err or 'on another rank'}); the previous "
+                              f"checkpoint ({prev}) is intact", stacklevel=2)
+            dist.barrier()
+            return None
+        if self.is_main:
+            _write_atomic(tmp / TRAINER_FILE, json.dumps({"step": step, **export_info}, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _write_atomic(self.root / "latest", final.name)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def latest_name(self) -> str | None:
+        latest = self.root / "latest"
+        return latest.read_text().strip() if latest.is_file() else None
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        done = sorted((d for d in self.root.glob("step_*") if is_complete(d)), key=lambda d: int(d.name.split("_")[1]))
+        for d in done[: -self.keep_last]:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def load(ckpt: Path, state: dict[str, Any], scheduler: Any, *, rank: int, world_size: int) -> int:
+    """Collective. Fills `state` in place, restores the scheduler and (same world size) RNG; returns the step."""
+    info = json.loads((ckpt / TRAINER_FILE).read_text())
+    dcp.load(state, checkpoint_id=str(ckpt))
+    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
+    # load_state_dict restores the scheduler's counter but not the optimizer's current lr: set it, or the first
+    # resumed step would run at the lr of step 0.
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    rng = ckpt / f"rng_rank{rank}.pt"
+    if info.get("world_size") == world_size and rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return int(info["step"])
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
