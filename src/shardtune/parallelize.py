@@ -7,6 +7,7 @@ Transforms run in a fixed order, and the order matters:
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -20,17 +21,20 @@ from shardtune.errors import UserError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check_world(engine: EngineConfig, world_size: int) -> None:
+def check_world(engine: EngineConfig, world_size: int, local_world_size: int | None = None) -> None:
     """Sharding that cannot work on this world size is a user error, found before any model is built."""
     if engine.strategy == "hybrid_shard":
-        size = engine.hybrid_shard_size or world_size
+        size = engine.hybrid_shard_size or local_world_size or world_size
         if size > world_size or world_size % size:
             raise UserError(f"engine.hybrid_shard_size={size} does not divide the world size {world_size}: "
                             f"pick a divisor of {world_size}")
 
 
 def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int) -> ShardingPolicy:
-    check_world(engine, world_size)
+    # hybrid_shard without a size shards inside one node (torchrun's LOCAL_WORLD_SIZE: the ranks on this node,
+    # joined by the fast intra-node links) and replicates across nodes.
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    check_world(engine, world_size, local_world_size)
     if engine.cpu_offload and world_size == 1 and not torch.cuda.is_available():
         warnings.warn("engine.cpu_offload=true does nothing here: one CPU rank already keeps everything on the host",
                       stacklevel=2)
@@ -45,7 +49,7 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int) -> 
         cpu_offload=engine.cpu_offload,
         prefetch=engine.prefetch,
         sync_every_microstep=engine.sync_every_microstep,
-        hybrid_shard_size=engine.hybrid_shard_size,
+        hybrid_shard_size=engine.hybrid_shard_size or (local_world_size if engine.strategy == "hybrid_shard" else None),
     )
 
 
