@@ -105,8 +105,9 @@ def launch_train(cfg: DictConfig) -> int:
     proc = subprocess.Popen(torchrun_command(recipe, recipe_file, nproc), env=env, stderr=subprocess.PIPE, text=True)
     _forward_stop_signals(proc)
     assert proc.stderr is not None
+    said = (run_dir / USER_ERROR_FILE, run_dir / EXIT_CODE_FILE)
     for line in proc.stderr:  # relay live, but drop torchrun's report once a worker has said what was wrong
-        if not (run_dir / USER_ERROR_FILE).exists():
+        if not any(f.exists() for f in said):
             sys.stderr.write(line)
     code = proc.wait()
     err_file = run_dir / USER_ERROR_FILE
@@ -114,5 +115,7 @@ def launch_train(cfg: DictConfig) -> int:
         raise UserError(err_file.read_text().strip())
     code_file = run_dir / EXIT_CODE_FILE
     if code != 0 and code_file.exists():  # torchrun reports 1 for any failed worker; keep the worker's reason
-        return int(code_file.read_text())
+        worker_code, message = code_file.read_text().split("\n", 1)
+        print(f"shardtune: {message}", file=sys.stderr)
+        return int(worker_code)
     return code

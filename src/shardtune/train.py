@@ -66,7 +66,10 @@ def train(recipe: Recipe) -> dict:
         record = train_step(run, step, tracker)
         if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
             skipped += 1  # the optimizer did not step; the data moves on
+            record["skipped"] = True
             if skipped > cfg.skip_nonfinite:
+                log.log(record)
+                log.close(run.run_dir)
                 raise TrainingStopped(f"train: non-finite loss/grad norm at step {step + 1} "
                                       f"(loss={record['loss']}, grad_norm={record['grad_norm']}); last good "
                                       f"checkpoint: {run.checkpoints.latest_name() or 'none'}: lower train.lr or "

@@ -20,10 +20,11 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     except TrainingStopped as e:  # preempted (checkpoint saved) or diverged: a message, a documented code
         import torch.distributed as dist
 
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"shardtune: {e}", file=sys.stderr, flush=True)
-        if error_file is not None and e.code != 0:
-            error_file.with_name(".exit_code").write_text(str(e.code))
+        if error_file is None:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"shardtune: {e}", file=sys.stderr, flush=True)
+        else:  # the launcher prints it once and exits with this code (torchrun alone would say 1)
+            error_file.with_name(".exit_code").write_text(f"{e.code}\n{e}")
         return e.code
     except UserError as e:
         if error_file is None:

@@ -1,0 +1,138 @@
+"""Checkpoints, exact resume and failure safety, through the real CLI (2 CPU workers, fp32)."""
+from __future__ import annotations
+
+import math
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.integration.runs import FAST, cli, kill_tree, losses, metrics, start, wait_for
+
+
+def train_args(run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "tiny-cpu", f"train.output_dir={run_dir}", "train.save_every=3", *FAST, *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One uninterrupted run: checkpoints at steps 3 and 6, final/."""
+    run_dir = tmp_path_factory.mktemp("ckpt") / "reference"
+    proc = cli(*train_args(run_dir), cwd=run_dir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
+    return run_dir
+
+
+def test_sigkill_after_checkpoint_then_relaunch_is_exact(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(*train_args(run_dir), cwd=tmp_path)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_3" / "trainer.json").exists(), what="checkpoint step_3")
+    kill_tree(proc.pid, signal.SIGKILL)  # the whole job: launcher, torchrun, workers
+    proc.wait()
+    assert not (run_dir / "final").exists()
+    again = cli(*train_args(run_dir), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout
+    assert losses(run_dir) == losses(reference)  # bit-exact, every step, including those after the kill
+
+
+def test_interrupted_write_leaves_previous_checkpoint_loadable(reference, tmp_path):
+    """A save killed mid-write leaves only a .tmp- dir (renamed only when complete); resume ignores it."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_3", run_dir / "checkpoints" / "step_3")
+    (run_dir / "checkpoints" / "latest").write_text("step_3")
+    partial = run_dir / "checkpoints" / ".tmp-step_6"
+    shutil.copytree(reference / "checkpoints" / "step_6", partial)
+    (partial / "trainer.json").unlink()  # written last: a killed save never has it
+    data_file = next(partial.glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])  # truncated mid-write
+    proc = cli(*train_args(run_dir), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "incomplete checkpoint" in proc.stderr
+    assert not partial.exists()
+    assert {s: v for s, v in losses(run_dir).items() if s > 3} == {s: v for s, v in losses(reference).items() if s > 3}
+
+
+def test_sigterm_checkpoints_and_exits_75(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(*train_args(run_dir, "train.save_every=1000", "train.max_steps=500"), cwd=tmp_path)
+    wait_for(lambda: len(metrics(run_dir)) >= 2, what="two steps")
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler or a user would
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    last = metrics(run_dir)[-1]["step"]
+    assert (run_dir / "checkpoints" / f"step_{last}" / "trainer.json").exists()
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{last}"
+    assert "stopped by signal" in err
+
+
+@pytest.mark.parametrize("nproc,micro", [(1, 16), (4, 4)], ids=["2to1", "2to4"])
+def test_resume_at_another_world_size(reference, tmp_path, nproc, micro):
+    """The reference runs 2 workers x micro-batch 8; resuming with 1 x 16 or 4 x 4 sees the same global batch."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_3", run_dir / "checkpoints" / "step_3")
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
+    proc = cli(*train_args(run_dir, f"launch.nproc_per_node={nproc}", f"train.micro_batch_size={micro}"),
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, ref = losses(run_dir), losses(reference)
+    assert sorted(got) == sorted(ref)
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_export_loads_and_reproduces_final_logits(reference, tmp_path):
+    from shardtune.checkpoint.consolidate import export_checkpoint
+
+    out = tmp_path / "export"
+    files = export_checkpoint(reference / "checkpoints", out, max_shard_bytes=512 * 1024)  # folder -> latest
+    assert len(files) > 1 and (out / "model.safetensors.index.json").exists()
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    final = AutoModelForCausalLM.from_pretrained(reference / "final").eval()
+    ids = torch.randint(4, 100, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, final(ids).logits, rtol=0, atol=0)
+
+
+def test_export_streams_one_file_at_a_time(reference, tmp_path):
+    """Peak live tensor bytes while exporting stay near one output file, far below the model."""
+    from shardtune.checkpoint.consolidate import export_checkpoint
+    from shardtune.memory import CpuMemoryTracker
+
+    shard = 256 * 1024
+    model_bytes = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(reference / "final").parameters())
+    tracker = CpuMemoryTracker().start()
+    base = tracker.live_bytes()
+    try:
+        export_checkpoint(reference / "checkpoints" / "step_6", tmp_path / "out", max_shard_bytes=shard)
+        peak = tracker.peak_bytes() - base
+    finally:
+        tracker.stop()
+    largest_tensor = 344 * 128 * 4
+    assert peak <= shard + 2 * largest_tensor, (peak, shard)  # the file being built + the tensor being read
+    assert peak < model_bytes / 3, (peak, model_bytes)
+
+
+def test_nonfinite_loss_stops_with_exit_4_or_skips(tmp_path):
+    blowup = ["train.lr=1e30", "train.max_grad_norm=0", "train.max_steps=8"]
+    proc = cli(*train_args(tmp_path / "a", *blowup), cwd=tmp_path)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    rows = metrics(tmp_path / "a")
+    first_bad = next(r["step"] for r in rows if not all(map(math.isfinite, (r["loss"], r["grad_norm"]))))
+    assert rows[-1]["step"] == first_bad and rows[-1]["skipped"]
+    assert f"non-finite loss/grad norm at step {first_bad}" in proc.stderr
+    assert "ChildFailedError" not in proc.stderr  # a documented stop, not torchrun's failure report
+    skip = cli(*train_args(tmp_path / "b", *blowup, "train.skip_nonfinite=2"), cwd=tmp_path)
+    assert skip.returncode == 4
+    assert f"at step {first_bad + 2}" in skip.stderr  # two skipped, the third stops the run
+
+
+def test_resume_of_a_bad_path_is_a_user_error(tmp_path):
+    proc = cli(*train_args(tmp_path / "r", f"train.resume={tmp_path}"), cwd=tmp_path)
+    assert proc.returncode == 2 and "train.resume" in proc.stderr and "Traceback" not in proc.stderr
