@@ -24,7 +24,19 @@ _ACTIVE: list[CpuMemoryTracker] = []
 def storage_resized(tensor: torch.Tensor) -> None:
     """Called by code that resizes a storage in place; updates the active tracker (no-op when none)."""
     for t in _ACTIVE:
-        t._update(tensor.untyped_storage())
+        t._update(_data_storage(tensor))
+
+
+def _data_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage that owns `t`'s bytes, or None for a wrapper subclass (DTensor): it reports its logical size
+    but holds no data (its local tensor, seen separately, does)."""
+    try:
+        st = t.untyped_storage()
+        if st.data_ptr() == 0 and st.nbytes() > 0:
+            return None
+        return st
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class CpuMemoryTracker(TorchDispatchMode):
@@ -36,10 +48,11 @@ class CpuMemoryTracker(TorchDispatchMode):
         self._big: set[int] = set()  # ids rechecked after every op
         self._live = 0
         self._peak = 0
+        self.peak_op = ""
 
     # -- registration ----------------------------------------------------------------------------------------------
-    def _update(self, st: torch.UntypedStorage) -> None:
-        if st.device.type != "cpu":
+    def _update(self, st: torch.UntypedStorage | None) -> None:
+        if st is None or st.device.type != "cpu":
             return
         key = id(st)
         n = st.nbytes()
@@ -68,14 +81,17 @@ class CpuMemoryTracker(TorchDispatchMode):
         self._peak = max(self._peak, self._live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        peak_before = self._peak
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._update(t.untyped_storage())
+                self._update(_data_storage(t))
         for t in tree_leaves(args):  # in-place ops (resize_, set_) may grow an input's storage
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() != self._sizes.get(id(t.untyped_storage())):
-                self._update(t.untyped_storage())
+            if isinstance(t, torch.Tensor):
+                self._update(_data_storage(t))
         self._recheck_big()
+        if self._peak > peak_before:
+            self.peak_op = str(func)  # the op at which the peak was reached: the first clue when profiling
         return out
 
     # -- public API ------------------------------------------------------------------------------------------------
@@ -83,7 +99,7 @@ class CpuMemoryTracker(TorchDispatchMode):
         gc.collect()
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor) and not obj.is_meta:  # type(): no __class__ lookups
-                self._update(obj.untyped_storage())
+                self._update(_data_storage(obj))
         self._peak = self._live
         _ACTIVE.append(self)
         self.__enter__()
@@ -139,6 +155,7 @@ def snapshot_live_bytes() -> int:
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.device.type == "cpu":
-            st = obj.untyped_storage()
-            seen[id(st)] = st.nbytes()
+            st = _data_storage(obj)
+            if st is not None:
+                seen[id(st)] = st.nbytes()
     return sum(seen.values())

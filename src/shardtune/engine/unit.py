@@ -169,15 +169,19 @@ class Unit:
             prev.unshard(async_op=True)
 
     def _post_backward(self, i: int, leaf: torch.Tensor) -> None:
-        grad = leaf.grad  # 1D, compute dtype, numel P: the unit's flat gradient for this micro-batch
+        grads = [leaf.grad]  # 1D, compute dtype, numel P: the unit's flat gradient for this micro-batch
         leaf.grad = None
-        self._reduce_grad(i, grad)
         self._pending_post_backward.discard(i)
         if not self._pending_post_backward:
+            # Free the gathered parameters before reducing: gloo's reduce-scatter copies its input, so this
+            # lowers the backward peak by one unit (the root's embeddings + head for the last one).
             self.reshard()
+        self._reduce_grad(i, grads)
 
-    def _reduce_grad(self, i: int, grad: torch.Tensor) -> None:
+    def _reduce_grad(self, i: int, grads: list[torch.Tensor]) -> None:
+        """`grads` holds the only reference to the flat gradient, so it is freed as soon as it is reduced."""
         ctx, flat = self.ctx, self.flats[i]
+        grad = grads.pop()
         if not ctx.requires_grad_sync:  # keep the unsharded gradient: +4·P bytes per unit, no traffic
             acc = self._unsharded_grads.get(i)
             if acc is None:
@@ -189,12 +193,13 @@ class Unit:
         if acc is not None:
             grad = acc.add_(grad)
         full = grad.to(ctx.reduce_dtype)  # no copy when already in reduce_dtype
+        del grad, acc
         if ctx.shard_group is not None:
             out = torch.empty(flat.shard_numel, dtype=ctx.reduce_dtype, device=full.device)  # 1D, P/W
             reduce_scatter_into(out, full, ctx.shard_group, ctx.counter)
         else:
             out = full
-        del full, grad
+        del full
         # Hybrid / no_shard: sum the new contribution across replicas (not the accumulated grad: no double count).
         all_reduce_(out, ctx.replicate_group, ctx.counter)
         flat.accumulate_shard_grad(out)
@@ -206,7 +211,7 @@ def _final_callback(ctx: EngineContext) -> Callable[[], None]:
             for i in sorted(u._pending_post_backward):
                 # No gradient reached this flat (unused parameters): reduce zeros so every rank runs the same
                 # collectives in the same order.
-                u._reduce_grad(i, torch.zeros_like(u._leaves[i]))
+                u._reduce_grad(i, [torch.zeros_like(u._leaves[i])])
             u._pending_post_backward.clear()
             u._leaves.clear()
             if u.state is not ShardState.SHARDED:
