@@ -135,3 +135,25 @@ def test_model_config_error_names_key(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(UserError, match="model.config"):
         load_config(ModelConfig(config=str(bad)))
+
+
+def test_data_problems_are_clear(tmp_path):
+    from shardtune.errors import UserError
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(UserError, match="data.path"):
+        build_data(DataConfig(path=str(empty), format="text"), TOK, seed=0)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9 au lait\n".encode("latin-1") * 5)
+    with pytest.raises(UserError, match="data.path"):
+        build_data(DataConfig(path=str(latin), format="text"), TOK, seed=0)
+    long_rows = tmp_path / "long.jsonl"
+    long_rows.write_text("".join(json.dumps({"text": "x" * 100}) + "\n" for _ in range(10)))
+    with pytest.warns(UserWarning, match="10 documents longer than data.seq_len=16 were truncated"):
+        build_data(DataConfig(path=str(long_rows), format="text", seq_len=16, eval_fraction=0.0), TOK, seed=0)
+    prompts_only = tmp_path / "prompts.jsonl"
+    prompts_only.write_text("".join(json.dumps({"prompt": "p" * 40, "response": "r"}) + "\n" for _ in range(4)))
+    with pytest.raises(UserError, match="no target tokens"), pytest.warns(UserWarning):
+        build_data(DataConfig(path=str(prompts_only), format="instruction", seq_len=16, eval_fraction=0.0), TOK,
+                   seed=0)

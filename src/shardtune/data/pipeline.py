@@ -56,7 +56,9 @@ def load_raw(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for unreadable files
-        raise UserError(f"data.path: cannot read '{path}' ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        detail = (str(e).strip().splitlines() or ["no details"])[0][:120]
+        raise UserError(f"data.path: cannot read '{path}' ({type(e).__name__}: {detail}): check the file's format "
+                        "and encoding (UTF-8)") from None
     return list(ds)
 
 
@@ -91,4 +93,7 @@ def build_data(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: int) -> T
     if train.num_truncated:
         warnings.warn(f"{train.num_truncated} documents longer than data.seq_len={cfg.seq_len} were truncated",
                       stacklevel=2)
+    if not (train.labels[:, 1:] != -100).any():
+        raise UserError(f"data: no target tokens left in '{cfg.path}' (every response was cut off at "
+                        f"data.seq_len={cfg.seq_len}?): raise data.seq_len or shorten the prompts")
     return TokenizedData(train=train, eval=evald, eval_raw=eval_raw)
