@@ -38,15 +38,36 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup, counter: CommCounter,
-                        *, async_op: bool = False) -> dist.Work | None:
-    """out (1D, numel = full.numel / W) <- this rank's slice of the SUM over ranks of `full`."""
+                        *, full_is_scratch: bool = False) -> None:
+    """out (1D, numel = full.numel / W) <- this rank's slice of the SUM over ranks of `full`.
+
+    `full_is_scratch=True` lets it overwrite `full`: on gloo we then run our own ring over send/recv, in place
+    (one chunk of scratch), because gloo's reduce_scatter first copies its whole input into a scratch buffer:
+    +1 unit of peak memory at every reduce-scatter, the root's embeddings + head at the end of backward.
+    Same bytes either way: W-1 steps, each sending and receiving one chunk of numel N/W.
+    """
     world = dist.get_world_size(group)
     assert full.numel() == world * out.numel() and out.dtype == full.dtype
     if world == 1:
         out.copy_(full)
-        return None
+        return
     counter.bytes += _ring_bytes(full.numel(), full.element_size(), world)
-    return dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if not (full_is_scratch and dist.get_backend(group) == "gloo"):
+        dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
+        return
+    rank = dist.get_rank(group)
+    nxt, prev = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+    chunks = full.chunk(world)  # equal: `full` is padded to a multiple of W
+    for step in range(world - 1):
+        # Rank r sends chunk r-k-1 (its partial sum so far) to r+1 and adds chunk r-k-2 from r-1 into its own;
+        # after W-1 steps chunk r holds the full sum.
+        send = dist.isend(chunks[(rank - step - 1) % world], dst=nxt, group=group)
+        dist.recv(out, src=prev, group=group)
+        if step < world - 2:
+            chunks[(rank - step - 2) % world].add_(out)
+        else:
+            out.add_(chunks[rank])
+        send.wait()
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, counter: CommCounter,

@@ -103,10 +103,11 @@ class FlatParam:
         """What this rank sends in the all-gather: its shard cast to the compute dtype (halves bytes for bf16)."""
         return self.shard if self.dtype == self.compute_dtype else self.shard.to(self.compute_dtype)
 
-    def bind_views(self, *, requires_grad: bool) -> torch.Tensor:
-        """Point every original parameter attribute at its view of `full`. Returns the tensor the views come from:
-        with grad, a fresh leaf aliasing `full` (own version counter, so refilling `full` later for backward does
-        not trip autograd's in-place checks); its .grad will be the flat gradient (1D, compute dtype, numel P)."""
+    def bind_views(self, *, requires_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Point every original parameter attribute at its view of `full`. Returns the tensor the views come from
+        and the views: with grad, a fresh leaf aliasing `full` (own version counter, so refilling `full` later for
+        backward does not trip autograd's in-place checks); its .grad will be the flat gradient (1D, compute
+        dtype, numel P)."""
         if requires_grad:
             src = self.full.data.requires_grad_(True)
             pad = self.padded_numel - self.numel
@@ -114,11 +115,13 @@ class FlatParam:
         else:
             src = self.full
             pieces = [src[s.offset:s.offset + s.numel] for s in self.slots]
+        views = []
         for slot, piece in zip(self.slots, pieces, strict=False):
             view = piece.view(slot.shape)
+            views.append(view)
             for module, attr in slot.locations:
                 module.__dict__[attr] = view  # plain attribute: the nn.Parameter was removed at shard time
-        return src
+        return src, views
 
     # -- sharded gradient ------------------------------------------------------------------------------------------
     def shard_grad(self) -> torch.Tensor | None:

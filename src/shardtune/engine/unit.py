@@ -68,6 +68,7 @@ class Unit:
         self._leaves: dict[int, torch.Tensor] = {}  # flat index -> autograd leaf of this forward
         self._pending_post_backward: set[int] = set()  # flats whose gradient has not been reduced yet
         self._pre_backward_done = False
+        self._param_grads_left = 0  # parameter views whose gradient autograd has not produced yet
         self._unsharded_grads: dict[int, torch.Tensor] = {}  # no-sync accumulation: flat -> 1D fp32, numel P
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
@@ -123,12 +124,19 @@ class Unit:
         self.wait()
         grad = torch.is_grad_enabled()
         self._leaves.clear()
+        # Free early only when every parameter is trainable: a frozen weight may still be needed (LoRA base).
+        early_free = grad and all(f.requires_grad for f in self.flats)
+        self._param_grads_left = 0
         for i, flat in enumerate(self.flats):
-            src = flat.bind_views(requires_grad=grad and flat.requires_grad)
+            src, views = flat.bind_views(requires_grad=grad and flat.requires_grad)
             if grad and flat.requires_grad:
                 self._leaves[i] = src
                 src.register_post_accumulate_grad_hook(lambda leaf, i=i: self._post_backward(i, leaf))
                 self._pending_post_backward.add(i)
+                if early_free:
+                    self._param_grads_left += len(views)
+                    for v in views:
+                        v.register_hook(self._on_param_grad)
         self._pre_backward_done = False
         nxt = ctx.units[self.index + 1] if self.index + 1 < len(ctx.units) else None
         if ctx.prefetch and nxt is not None:
@@ -168,6 +176,13 @@ class Unit:
         if ctx.prefetch and prev is not None:
             prev.unshard(async_op=True)
 
+    def _on_param_grad(self, grad: torch.Tensor) -> None:
+        """Gradient of one parameter view computed. After the last one the unit's backward needs no parameter
+        any more: free the gathered buffer before autograd cats the flat gradient (peak -1 unit)."""
+        self._param_grads_left -= 1
+        if self._param_grads_left == 0:
+            self.reshard()
+
     def _post_backward(self, i: int, leaf: torch.Tensor) -> None:
         grads = [leaf.grad]  # 1D, compute dtype, numel P: the unit's flat gradient for this micro-batch
         leaf.grad = None
@@ -192,11 +207,12 @@ class Unit:
         acc = self._unsharded_grads.pop(i, None)
         if acc is not None:
             grad = acc.add_(grad)
+        # Ours to overwrite: autograd's flat gradient (or the no-sync accumulator) is never seen by anyone else.
         full = grad.to(ctx.reduce_dtype)  # no copy when already in reduce_dtype
         del grad, acc
         if ctx.shard_group is not None:
             out = torch.empty(flat.shard_numel, dtype=ctx.reduce_dtype, device=full.device)  # 1D, P/W
-            reduce_scatter_into(out, full, ctx.shard_group, ctx.counter)
+            reduce_scatter_into(out, full, ctx.shard_group, ctx.counter, full_is_scratch=True)
         else:
             out = full
         del full

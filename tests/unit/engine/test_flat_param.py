@@ -42,7 +42,8 @@ def test_views_alias_the_gathered_buffer_and_survive_free() -> None:
     assert not flat.is_full_allocated()
     flat.alloc_full()
     flat.full.copy_(torch.arange(14.0))
-    leaf = flat.bind_views(requires_grad=True)
+    leaf, views = flat.bind_views(requires_grad=True)
+    assert len(views) == 3 and views[0] is m.w
     assert torch.equal(m.b.detach(), torch.tensor([10.0, 11.0, 12.0]))
     (m.w.sum() * 2 + m.b.sum()).backward()
     assert leaf.grad.shape == (14,) and torch.equal(leaf.grad, torch.tensor([2.0] * 6 + [0.0] * 4 + [1.0] * 3 + [0.0]))
