@@ -12,6 +12,7 @@ steps): use it for measurement runs, not for timing.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import torch
@@ -49,11 +50,16 @@ class CpuMemoryTracker(TorchDispatchMode):
         self._live = 0
         self._peak = 0
         self.peak_op = ""
+        self._lock = threading.RLock()  # re-entrant: gc may run a weakref callback while we hold it
 
     # -- registration ----------------------------------------------------------------------------------------------
     def _update(self, st: torch.UntypedStorage | None) -> None:
         if st is None or st.device.type != "cpu":
             return
+        with self._lock:
+            self._update_locked(st)
+
+    def _update_locked(self, st: torch.UntypedStorage) -> None:
         key = id(st)
         n = st.nbytes()
         if key not in self._sizes:
@@ -68,17 +74,21 @@ class CpuMemoryTracker(TorchDispatchMode):
         self._peak = max(self._peak, self._live)
 
     def _forget(self, key: int) -> None:
-        self._live -= self._sizes.pop(key, 0)
-        self._refs.pop(key, None)
-        self._big.discard(key)
+        # Weakref callbacks run in whichever thread drops the last reference (autograd, gloo): hence the lock.
+        with self._lock:
+            self._live -= self._sizes.pop(key, 0)
+            self._refs.pop(key, None)
+            self._big.discard(key)
 
     def _recheck_big(self) -> None:
-        for key in list(self._big):
-            st = self._refs[key]()
-            if st is not None and st.nbytes() != self._sizes[key]:
-                self._live += st.nbytes() - self._sizes[key]
-                self._sizes[key] = st.nbytes()
-        self._peak = max(self._peak, self._live)
+        with self._lock:
+            for key in list(self._big):
+                ref = self._refs.get(key)
+                st = ref() if ref is not None else None
+                if st is not None and key in self._sizes and st.nbytes() != self._sizes[key]:
+                    self._live += st.nbytes() - self._sizes[key]
+                    self._sizes[key] = st.nbytes()
+            self._peak = max(self._peak, self._live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         peak_before = self._peak
