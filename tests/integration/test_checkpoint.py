@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.integration.runs import FAST, cli, kill_tree, losses, metrics, start, wait_for
+from tests.integration.runs import FAST, cli, descendants, kill_tree, losses, metrics, start, wait_for
 
 
 def train_args(run_dir: Path, *extra: str) -> list[str]:
@@ -85,6 +86,41 @@ def test_resume_at_another_world_size(reference, tmp_path, nproc, micro):
     assert sorted(got) == sorted(ref)
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_resume_1_to_2_workers(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    first = cli(*train_args(run_dir, "launch.nproc_per_node=1", "train.micro_batch_size=16", "train.max_steps=3"),
+                cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Same command with 2 workers and max_steps=6: picks up step_3 written by one worker.
+    proc = cli(*train_args(run_dir), cwd=tmp_path)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    got, ref = losses(run_dir), losses(reference)
+    assert sorted(got) == sorted(ref)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_torchrun_restart_resumes_from_latest(reference, tmp_path):
+    """One worker dies (SIGKILL); torchrun (launch.max_restarts=1) restarts both; they resume from step_3."""
+    run_dir = tmp_path / "run"
+    proc = start(*train_args(run_dir, "launch.max_restarts=1"), cwd=tmp_path)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_3" / "trainer.json").exists(), what="checkpoint step_3")
+    workers = [p for p in descendants(proc.pid)
+               if "shardtune.worker" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert losses(run_dir) == losses(reference)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def test_export_loads_and_reproduces_final_logits(reference, tmp_path):

@@ -110,7 +110,7 @@ class CheckpointManager:
                 if write_hf is not None:
                     write_hf(tmp / "hf")
                 _fsync_tree(tmp)
-        except Exception as e:  # OSError (disk full), CheckpointException wrapping it, ...
+        except (Exception, dcp.CheckpointException) as e:  # OSError (disk full); DCP's wrapper is a BaseException
             ok, err = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if not _agree_ok(ok):
             if self.is_main:
