@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from tests.distributed.harness import run_distributed
 
 from shardtune.checkpoint.manager import CheckpointManager, find_resume_dir, load
-from tests.distributed.harness import run_distributed
 
 
 class _Scheduler:
