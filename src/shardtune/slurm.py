@@ -125,7 +125,7 @@ def sbatch_script(recipe_arg: str, overrides: list[str], job: SlurmJob, *, force
     verdict = check_fits(job_recipe, force=force)
 
     recipe_ref = recipe_arg if not Path(recipe_arg).is_file() else str(resolve_recipe_path(recipe_arg))
-    name = job.job_name or f"shardtune-{Path(recipe_arg).stem}"
+    name = job.job_name or f"shardtune-{resolve_recipe_path(recipe_arg).stem}"
     args = [*overrides, *(f"{k}={v}" for k, v in keys.items())]
     train = " \\\n    ".join([shlex.join([*shardtune_executable(), "train", recipe_ref]), *map(shlex.quote, args)])
     sbatch = [f"--job-name={name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
@@ -175,7 +175,8 @@ echo "shardtune: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM
      "rendezvous $HEAD_ADDR:$RDZV_PORT"
 
 # Preemption: USR1 reaches this shell (--signal=B:..., or `scancel --signal=USR1 --batch`). Forward it to the
-# step: srun delivers it to every process on every node; the workers save a checkpoint and exit.
+# step: srun delivers it to every process on every node; the workers finish the step, save a checkpoint
+# (with train.save_every > 0) and exit 75; this shell then requeues the job.
 PREEMPTED=0
 forward_usr1() {{ PREEMPTED=1; echo "shardtune: USR1: checkpointing before requeue"; kill -USR1 "$SRUN_PID"; }}
 trap forward_usr1 USR1
@@ -201,15 +202,20 @@ exit "$RC"
 
 
 def write_sbatch(recipe_arg: str, overrides: list[str], job: SlurmJob, *, out: Path | None, force: bool) -> str:
-    """The CLI's body: the script to `out` (mode 755) or stdout; returns a one-line summary for stderr."""
+    """The CLI's body: the script to `out` (mode 755) or stdout; returns what to tell the user on stderr."""
     text = sbatch_script(recipe_arg, overrides, job, force=force, script_name=out.name if out else "THIS_FILE")
+    notes = []
     if out is None:
         sys.stdout.write(text)
-        return ""
-    out.write_text(text)
-    out.chmod(0o755)
-    hint = "" if shutil.which("sbatch") else " (sbatch is not on this machine's PATH: copy it to the cluster)"
-    return f"wrote {out}: submit with `sbatch {out}`{hint}"
+    else:
+        out.write_text(text)
+        out.chmod(0o755)
+        hint = "" if shutil.which("sbatch") else " (sbatch is not on this machine's PATH: copy it to the cluster)"
+        notes.append(f"wrote {out}: submit with `sbatch {out}`{hint}")
+    if load_recipe(recipe_arg, overrides).train.save_every == 0:
+        notes.append("warning: train.save_every=0 saves no checkpoint: a preempted job restarts from step 0; "
+                     "set train.save_every=N")
+    return "\n".join(notes)
 
 
 def apply_allocation(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> DictConfig:

@@ -88,6 +88,11 @@ def test_plan_refuses_a_job_that_does_not_fit_unless_forced(tmp_path, capsys, mo
     assert code == 0 and "# plan: does NOT fit: 30.00 GiB" in out.read_text()
 
 
+def test_multinode_without_endpoint_is_a_user_error(tmp_path, capsys):
+    code, _, err = run_cli(["train", "tiny-cpu", "launch.nnodes=2", f"train.output_dir={tmp_path}"], capsys)
+    assert code == 2 and "launch.rdzv_endpoint" in err and len(err.strip().splitlines()) == 1, err
+
+
 SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
               "SLURM_STEP_NODELIST": "node[1-2]"}
 
