@@ -6,6 +6,7 @@ shell, as `--signal=B:USR1@120` sends it) must checkpoint, requeue itself, resum
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +50,21 @@ def test_sbatch_job_matches_local_run(slurm_cluster, tmp_path_factory):
     # The job log: one rendezvous at the first node's address, port from the job id.
     assert f"rendezvous 127.0.0.1:{20000 + int(job_id) % 10000}" in log, log[-3000:]
     assert_same_losses(losses(run), reference_losses(tmp_path_factory.getbasetemp()))
+
+
+def test_train_inside_srun_finds_nodes_and_rendezvous(slurm_cluster, tmp_path):
+    """`srun shardtune train` needs no launch flags: SLURM's step variables become nnodes + rendezvous."""
+    code = ("import os; from shardtune.config.load import load_recipe_config; "
+            "from shardtune.slurm import apply_allocation; c = apply_allocation(load_recipe_config('tiny-cpu')).launch; "
+            "print(c.nnodes, c.rdzv_endpoint, os.environ['SLURM_JOB_ID'])")
+    proc = slurm_cluster.run(["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    outs = sorted(ln.split() for ln in proc.stdout.strip().splitlines())
+    assert len(outs) == 2 and outs[0] == outs[1], proc.stdout  # both nodes agree
+    nnodes, endpoint, job_id = outs[0]
+    assert nnodes == "2" and endpoint == f"127.0.0.1:{20000 + int(job_id) % 10000}", proc.stdout  # node1's NodeAddr
+    many = slurm_cluster.run(["srun", "--nodes=1", "--ntasks=2", sys.executable, "-c", code], cwd=tmp_path)
+    assert many.returncode != 0 and "--ntasks-per-node=1" in many.stderr, many.stderr
 
 
 RESUME_KEYS = {"train.save_every", "train.resume"}

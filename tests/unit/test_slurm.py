@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,6 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, needle
 
 
 def test_plan_refuses_a_job_that_does_not_fit_unless_forced(tmp_path, capsys, monkeypatch):
-    import shardtune.plan
-
     seen = {}
 
     class FakePlan:
@@ -80,7 +79,9 @@ def test_plan_refuses_a_job_that_does_not_fit_unless_forced(tmp_path, capsys, mo
             return {"fits": False, "per_rank": {"total_bytes": 30 * 2**30}, "capacity_bytes": 24 * 2**30,
                     "world_size": 4, "hardware": "rtx4090-24gb", "advice": ["engine.cpu_offload=true"]}
 
-    monkeypatch.setattr(shardtune.plan, "plan_recipe", FakePlan)
+    fake = types.ModuleType("shardtune.plan")  # check_fits calls shardtune.plan.plan_recipe(recipe).to_json()
+    fake.plan_recipe = FakePlan
+    monkeypatch.setitem(sys.modules, "shardtune.plan", fake)
     code, _, err, out = slurm_cli(tmp_path, capsys, "tiny-cpu", "--nodes", "2")
     assert code == 2 and "does NOT fit" in err and "--force" in err and "cpu_offload" in err, err
     assert not out.exists() and seen["world"] == (2, 2)  # plan saw the job's world: 2 nodes x 2 workers
