@@ -7,13 +7,16 @@ One training step of full_shard (units 0..L-1 in forward order, the root unit ho
             prefetches unit i+1; its post-hook frees it, except the last unit (backward needs it first: saves one
             all-gather) and under shard_grad_op (all stay gathered until their backward). The root stays gathered.
   backward: a hook on unit i's outputs (fires when their gradient is ready, just before the unit's backward)
-            re-gathers unit i and prefetches unit i-1; when autograd has summed the unit's flat gradient into its
-            leaf, the post-accumulate-grad hook reduce-scatters it into this rank's shard and frees the unit.
+            re-gathers unit i and prefetches unit i-1; hooks on the parameter views free the gathered buffer once
+            every parameter's gradient exists (before autograd cats them into the flat gradient); when the flat
+            gradient reaches the leaf, the post-accumulate-grad hook reduce-scatters it into this rank's shard.
   end     : an autograd-engine callback reduces any unit whose gradient never arrived (zeros; keeps collectives
             matched across ranks) and reshards everything.
 Under no_grad (eval, generate) every unit, root included, is freed after its forward.
 Activation-checkpoint recompute runs forward hooks inside backward: there a unit is gathered but not freed and its
 views are not rebound (the saved views of the original leaf are refilled in place), so gradients still reach it.
+Limits: a unit's forward runs once per iteration (a module reused within one forward would rebind its views);
+the trainer calls the root module (its pre-hook starts the iteration).
 """
 from __future__ import annotations
 
