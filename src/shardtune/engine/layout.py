@@ -1,0 +1,147 @@
+"""Which parameter goes into which flat buffer, in what order, padded to what size. Pure: no process group, no
+copies, works on a meta-device model. The engine (`shard.py`, `flat_param.py`) and `plan` both read it, so the
+memory preview and the real buffers cannot drift apart.
+
+Per unit (forward order; the root unit last = leftover params: embeddings, final norm, head; tied weights once):
+    trainable buffer  [decay params ... | no-decay params ... | padding]   dtype: the params' (fp32 master)
+    frozen buffer     [frozen params ...                     | padding]   dtype: the params' (e.g. bf16 base)
+each padded to a multiple of the shard-group size W, so every rank owns padded_numel / W elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardtune.engine.api import ShardingPolicy
+from shardtune.engine.wrap import find_units
+from shardtune.errors import UserError
+
+Entry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]  # (canonical name, param, every (module, attr))
+
+
+def padded(numel: int, shard_size: int) -> int:
+    """Smallest multiple of `shard_size` that holds `numel` elements."""
+    return -(-numel // shard_size) * shard_size
+
+
+@dataclass
+class UnitParams:
+    """The parameters of one unit, grouped and ordered as the flat buffers lay them out."""
+
+    module: nn.Module
+    is_root: bool
+    decay: list[Entry] = field(default_factory=list)  # trainable, weight decay
+    no_decay: list[Entry] = field(default_factory=list)  # trainable, no weight decay (norms, biases)
+    frozen: list[Entry] = field(default_factory=list)  # requires_grad=False
+
+    def flat_groups(self) -> list[tuple[list[Entry], bool, int]]:
+        """(entries in buffer order, requires_grad, num_decay) for each non-empty flat buffer: trainable first."""
+        out = []
+        if self.decay or self.no_decay:
+            out.append((self.decay + self.no_decay, True, len(self.decay)))
+        if self.frozen:
+            out.append((self.frozen, False, 0))
+        return out
+
+
+def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitParams]:
+    """Units in forward order, then the root. Raises UserError for tied params split over units, mixed dtypes in one
+    buffer, or an empty root."""
+    unit_modules = find_units(module, policy.unit_classes, policy.min_unit_params)
+    owner: dict[int, int] = {}  # id(submodule) -> unit index; absent -> root
+    for i, um in enumerate(unit_modules):
+        for sub in um.modules():
+            owner[id(sub)] = i
+    names = {id(p): n for n, p in module.named_parameters()}  # canonical (first) name of each parameter
+    locations: dict[int, list[tuple[nn.Module, str]]] = {}
+    param_unit: dict[int, int] = {}
+    params: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            u = owner.get(id(m), len(unit_modules))
+            if param_unit.setdefault(id(p), u) != u:
+                raise UserError(f"engine.wrap: parameter {names[id(p)]} is shared by two units; choose wrap classes "
+                                "that keep tied parameters in one unit (or leave them in the root)")
+            locations.setdefault(id(p), []).append((m, attr))
+            params[id(p)] = p
+
+    units: list[UnitParams] = []
+    for i, um in enumerate([*unit_modules, module]):
+        up = UnitParams(um, is_root=um is module)
+        for k in names:  # named_parameters() order
+            if param_unit.get(k) != i:
+                continue
+            p = params[k]
+            entry = (names[k], p, locations[k])
+            if not p.requires_grad:
+                up.frozen.append(entry)
+            elif policy.no_weight_decay(names[k], p):
+                up.no_decay.append(entry)
+            else:
+                up.decay.append(entry)
+        for group, grad, _ in up.flat_groups():
+            if len({p.dtype for _, p, _ in group}) > 1:
+                raise UserError(f"model: {'trainable' if grad else 'frozen'} parameters of one unit have mixed "
+                                f"dtypes {sorted({str(p.dtype) for _, p, _ in group})}; load the model in one dtype")
+        units.append(up)
+    if not units[-1].flat_groups():
+        raise UserError("engine.wrap: the root unit has no parameters; this engine needs the embeddings outside "
+                        "the wrapped blocks (wrap the decoder-block class only)")
+    return units
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    numel: int  # T: sum of the params' numels
+    padded_numel: int  # P: T rounded up to a multiple of the shard-group size
+    shard_numel: int  # P / W: what each rank stores
+    dtype: torch.dtype  # master dtype of the shard (the params' dtype)
+    requires_grad: bool
+    decay_numel: int  # first decay_numel elements get weight decay (trainable buffers)
+
+    def shard_bytes(self) -> int:
+        return self.shard_numel * _elem(self.dtype)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    name: str  # module path ("" for the root)
+    is_root: bool
+    trainable: FlatLayout | None
+    frozen: FlatLayout | None
+
+    @property
+    def flats(self) -> list[FlatLayout]:
+        return [f for f in (self.trainable, self.frozen) if f is not None]
+
+    def padded_numel(self) -> int:
+        return sum(f.padded_numel for f in self.flats)
+
+
+def flat_layout(entries: list[Entry], *, requires_grad: bool, num_decay: int, shard_size: int) -> FlatLayout:
+    numel = sum(p.numel() for _, p, _ in entries)
+    pad = padded(numel, shard_size)
+    return FlatLayout(numel=numel, padded_numel=pad, shard_numel=pad // shard_size, dtype=entries[0][1].dtype,
+                      requires_grad=requires_grad, decay_numel=sum(p.numel() for _, p, _ in entries[:num_decay]))
+
+
+def unit_layouts(module: nn.Module, policy: ShardingPolicy, shard_size: int) -> list[UnitLayout]:
+    """Per unit (forward order, root last): the trainable and frozen flat buffers' sizes and dtypes."""
+    assert shard_size >= 1
+    path = {id(m): n for n, m in module.named_modules()}
+    out = []
+    for up in group_unit_params(module, policy):
+        flats: dict[bool, FlatLayout] = {}
+        for entries, grad, num_decay in up.flat_groups():
+            flats[grad] = flat_layout(entries, requires_grad=grad, num_decay=num_decay, shard_size=shard_size)
+        out.append(UnitLayout(name=path[id(up.module)], is_root=up.is_root, trainable=flats.get(True),
+                              frozen=flats.get(False)))
+    return out
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
