@@ -55,7 +55,7 @@ def test_recipes_command_lists_bundled(capsys):
 
 
 # The public surface changes only on purpose: update these sets together with the docs.
-EXPECTED_COMMANDS = {"train", "validate", "recipes", "export", "slurm"}
+EXPECTED_COMMANDS = {"train", "validate", "recipes", "export", "slurm", "plan"}
 EXPECTED_SECTIONS = {"description", "model", "lora", "engine", "data", "train", "launch", "hardware"}
 
 

@@ -1,0 +1,33 @@
+"""`shardtune plan` vs measured peak memory on CPU, over the validation grid (shardtune/plan/accuracy.py).
+
+    .venv/bin/python bench/plan_accuracy.py            # ~13 configurations, world sizes 1/2/4, ~3 min on 2 cores
+
+Prints a markdown table (predicted, measured = max over steps of `peak_mem_bytes` from `train.profile_memory=true`,
+error) and the worst error. Goal: within +-5 %.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from shardtune.plan.accuracy import default_grid, run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, nargs="*", help="only these world sizes")
+    args = parser.parse_args()
+    cases = [c for c in default_grid() if not args.world or c.world in args.world]
+    t0 = time.perf_counter()
+    rows = run(cases)
+    print("| configuration | predicted MB | measured MB | error |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['name']} | {r['predicted'] / 1e6:.2f} | {r['measured'] / 1e6:.2f} | {r['error']:+.1%} |")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    print(f"\nworst error: {worst['error']:+.1%} ({worst['name']}); {len(rows)} configurations, "
+          f"{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

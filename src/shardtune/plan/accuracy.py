@@ -1,0 +1,137 @@
+"""Plan vs measurement on CPU: the validation behind tests/integration/test_plan_accuracy.py and
+bench/plan_accuracy.py.
+
+Each configuration is a set of recipe overrides on a small Llama (written here, large enough that activations and
+states dominate fixed overheads). Measurement is the real trainer (`shardtune.train.train`) with
+`train.profile_memory=true`: rank 0 logs `peak_mem_bytes`, the max over ranks of the peak live tensor bytes in a
+step (CPU tracker, shardtune/memory.py); we take the max over the steps (step 1 allocates AdamW state, later steps
+hold it). Prediction is `plan` on the same recipe. One process spawn per world size runs all its configurations
+(start-up dominates on small machines).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 256,
+         "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+BASE = ["train.max_steps=2", "train.profile_memory=true", "train.demo_eval=false", "train.save_final=false",
+        "train.eval_every=0", "data.eval_fraction=0.0", "data.num_samples=300", "train.warmup_steps=0",
+        "launch.device=cpu", "launch.threads_per_worker=1", "hardware.gpu=cpu"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    world: int
+    overrides: tuple[str, ...]
+
+
+def default_grid() -> list[Case]:
+    """World size 1/2/4 x strategy x precision x micro-batch x seq_len (checkpointing, offload, LoRA: not in the
+    engine yet; add them here when they land)."""
+    cases = []
+    for mp_ in ("fp32", "bf16"):
+        for mb, s in ((1, 128), (2, 256)):
+            cases.append(Case(f"w1 {mp_} mb{mb} s{s}", 1, (f"engine.mixed_precision={mp_}",
+                                                               f"train.micro_batch_size={mb}", f"data.seq_len={s}")))
+    for strat in ("full_shard", "shard_grad_op", "no_shard"):
+        for mp_ in ("fp32", "bf16"):
+            mb, s = (2, 128) if mp_ == "fp32" else (1, 256)
+            cases.append(Case(f"w2 {strat} {mp_} mb{mb} s{s}", 2,
+                              (f"engine.strategy={strat}", f"engine.mixed_precision={mp_}",
+                               f"train.micro_batch_size={mb}", f"data.seq_len={s}")))
+    for strat in ("full_shard", "hybrid_shard"):
+        mp_ = "bf16" if strat == "hybrid_shard" else "fp32"
+        cases.append(Case(f"w4 {strat} {mp_} mb1 s128", 4,
+                          (f"engine.strategy={strat}", f"engine.mixed_precision={mp_}", "train.micro_batch_size=1",
+                           "data.seq_len=128", "engine.hybrid_shard_size=2")))
+    return cases
+
+
+def recipe_overrides(case: Case, workdir: Path, index: int) -> list[str]:
+    return [f"model.config={workdir / 'model.json'}", *BASE, f"launch.nproc_per_node={case.world}",
+            f"train.output_dir={workdir / f'run{index}'}", *case.overrides]
+
+
+def predict(case: Case, workdir: Path, index: int) -> int:
+    from shardtune.plan import make_plan
+
+    return make_plan("tiny-cpu", recipe_overrides(case, workdir, index)).estimate.total
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[list[str]]) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    from shardtune import memory
+    from shardtune.config.load import load_recipe
+    from shardtune.runtime import init_runtime
+    from shardtune.train import train
+
+    torch.set_num_threads(1)
+    init_runtime(load_recipe("tiny-cpu", jobs[0]).launch)
+    try:
+        for overrides in jobs:
+            # Bytes still alive from the previous run in this process (the engine's hooks keep a trained model
+            # alive: a reference cycle through autograd's C++ hooks); the tracker counts them, so we subtract them.
+            leftover = torch.tensor([memory.snapshot_live_bytes()], dtype=torch.float64)
+            dist.all_reduce(leftover, op=dist.ReduceOp.MIN)
+            recipe = load_recipe("tiny-cpu", overrides)
+            if rank == 0:
+                Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)
+                (Path(recipe.train.output_dir) / "leftover_bytes").write_text(str(int(leftover.item())))
+            train(recipe)
+            for t in list(memory._ACTIVE)[::-1]:  # train() leaves its tracker on; the next run starts a new one
+                t.stop()
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(cases: list[Case], workdir: Path) -> list[int]:
+    """Max over steps of peak_mem_bytes for each case; one spawn per world size."""
+    (workdir / "model.json").write_text(json.dumps(MODEL))
+    by_world: dict[int, list[int]] = {}
+    for i, c in enumerate(cases):
+        by_world.setdefault(c.world, []).append(i)
+    for world, idx in by_world.items():
+        jobs = [recipe_overrides(cases[i], workdir, i) for i in idx]
+        mp.spawn(_worker, args=(world, _free_port(), jobs), nprocs=world, join=True)
+    out = []
+    for i in range(len(cases)):
+        run_dir = workdir / f"run{i}"
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        leftover = int((run_dir / "leftover_bytes").read_text())
+        out.append(max(json.loads(x)["peak_mem_bytes"] for x in lines if "peak_mem_bytes" in x) - leftover)
+    return out
+
+
+def run(cases: list[Case] | None = None, workdir: Path | None = None) -> list[dict]:
+    """[{name, world, predicted, measured, error}] with error = predicted / measured - 1."""
+    cases = cases or default_grid()
+    with tempfile.TemporaryDirectory() as tmp:
+        wd = Path(workdir or tmp)
+        wd.mkdir(parents=True, exist_ok=True)
+        measured = measure(cases, wd)
+        predicted = [predict(c, wd, i) for i, c in enumerate(cases)]
+    return [{"name": c.name, "world": c.world, "predicted": p, "measured": m, "error": p / m - 1}
+            for c, p, m in zip(cases, predicted, measured, strict=True)]

@@ -1,0 +1,254 @@
+"""The memory model: per-rank peak bytes of one training step, as the sum of what is alive at the worst moment.
+
+A step is walked as a few phases; each phase lists what is alive, by category, and the peak is the largest phase:
+  forward-loss   all saved activations + the gathered units still held + logits (compute dtype), their fp32 copy
+                 (flattened, shifted) and log_softmax's fp32 output
+  loss-backward  same, but the CE tail is log_softmax output + its gradient + the gradient of its input (3 fp32
+                 b·(s-1)·V tensors): usually the peak for large vocabularies
+  unit-backward  inside the last unit's MLP backward: root + that unit + the prefetched previous one gathered,
+                 the head's weight gradient (held until the root reduces), every activation still saved, the
+                 down-projection's weight grad and two b·s·i activation grads
+  unit-gradcat   end of it: its activations freed, its per-param grads + their flat concatenation (2·P)
+  unit-reduce    after the engine frees the unit: the flat grad, its cast to reduce_dtype, the P/W output
+  root-gradcat / root-reduce: the same for the root unit at the very end of backward (other units' grads sharded)
+  optimizer      sharded params + grads + AdamW moments + per-parameter temporaries
+Model states are always alive: sharded params (fp32 master, or the frozen base in its dtype), AdamW moments
+(allocated at the first step and kept), module buffers; sharded grads from earlier micro-steps.
+Activations per decoder layer (HF Llama/Mistral/Qwen2 blocks, sdpa): what autograd saves, counted storage by storage
+on this exact code path (see the probe in tests/unit/test_plan.py):
+  two RMSNorms: fp32 compute saves input, normalised and output (3·4 B·h); bf16 saves the fp32 upcast, the
+  bf16 normalised and output (4 + 2·2 B·h);  q (rotated), k, v (repeated to all heads when a packing mask
+  exists), attention output: 4 tensors;  MLP: gate, up, act(gate), act·up (4 × b·s·i);  the packing mask
+  b·s²; softmax log-sum-exp b·heads·s fp32; two rsqrt b·s fp32.
+Checkpointed units keep only their input (b·s·h) and recompute one unit's set during its backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardtune.config.schema import Recipe
+from shardtune.engine.layout import UnitLayout
+from shardtune.plan.stats import DTYPES, ModelStats
+
+CATEGORIES = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """The knobs plan varies (a recipe's values, or a `--fit` candidate)."""
+
+    strategy: str
+    world: int
+    nodes: int
+    hybrid_shard_size: int | None
+    compute: torch.dtype  # all-gather / compute dtype
+    reduce: torch.dtype
+    checkpointing: bool | int
+    offload: bool
+    lora: bool
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+    sync_every_microstep: bool
+    prefetch: bool
+    packing: bool
+    device_is_cpu: bool
+
+    @classmethod
+    def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
+        e = r.engine
+        return cls(strategy=e.strategy, world=world, nodes=nodes, hybrid_shard_size=e.hybrid_shard_size,
+                   compute=DTYPES[e.mixed_precision], reduce=DTYPES[e.reduce_dtype],
+                   checkpointing=e.activation_checkpointing, offload=e.cpu_offload, lora=r.lora.enabled,
+                   micro_batch=r.train.micro_batch_size, seq_len=r.data.seq_len, grad_accum=r.train.grad_accum,
+                   sync_every_microstep=e.sync_every_microstep, prefetch=e.prefetch, packing=r.data.packing,
+                   device_is_cpu=device_is_cpu)
+
+    @property
+    def shard_size(self) -> int:
+        if self.strategy == "no_shard":
+            return 1
+        if self.strategy == "hybrid_shard":
+            return self.hybrid_shard_size or max(1, self.world // self.nodes)
+        return self.world
+
+
+@dataclass
+class Estimate:
+    per_rank: dict[str, int]  # category -> bytes at the peak phase, plus total_bytes
+    peak_phase: str
+    phases: dict[str, int]  # phase -> total bytes
+    breakdown: dict[str, dict[str, int]]  # phase -> category -> bytes
+    host_bytes: int  # per node: offloaded states of all its ranks
+    host_per_rank: int
+    units: list[UnitLayout] = field(default_factory=list)
+    trainable_params: int = 0
+    lora_params: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.per_rank["total_bytes"]
+
+
+def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
+    d, b, n = stats.dims, s.micro_batch, s.seq_len
+    c = _size(s.compute)
+    bs = b * n
+    q_dim = d.num_heads * d.head_dim
+    mask = s.packing  # HF builds a (b,1,s,s) mask for packed rows and then repeats k/v to every head
+    kv_dim = q_dim if mask else d.num_kv_heads * d.head_dim
+    norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
+    attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
+    mlp = 4 * bs * d.intermediate * c
+    extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
+    if stats.recipe.model.attn_implementation == "eager":
+        extra += b * d.num_heads * n * n * (4 + c)  # softmax output (fp32) and its cast, saved for backward
+    return norms + attn + mlp + extra
+
+
+def root_activation_bytes(stats: ModelStats, s: Setup) -> int:
+    """Saved outside the units: final norm, rotary cos/sin (shared by all layers), input ids."""
+    d, bs = stats.dims, s.micro_batch * s.seq_len
+    c = _size(s.compute)
+    return bs * d.hidden * (4 + 2 * c) + 2 * bs * d.head_dim * c + bs * 8 + bs * 4
+
+
+def estimate(stats: ModelStats, s: Setup) -> Estimate:
+    d = stats.dims
+    c = _size(s.compute)
+    W = s.shard_size
+    base_dtype = s.compute if s.lora else DTYPES[stats.recipe.model.dtype]
+    units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype)
+    *blocks, root = units
+    aliased = W == 1
+
+    def gathered(u: UnitLayout) -> int:  # the unsharded buffer(s) of a unit, compute dtype
+        return sum(0 if aliased and f.dtype == s.compute else f.padded_numel * c for f in u.flats)
+
+    shard_bytes = sum(f.shard_bytes() for u in units for f in u.flats)
+    train_shard = sum(u.trainable.shard_numel for u in units if u.trainable)
+    lora_p = stats.lora_params() if s.lora else 0
+    states_params = shard_bytes + 4 * lora_p
+    grads_full = 4 * train_shard + 4 * lora_p
+    opt = 8 * train_shard + 8 * lora_p
+    buffers = stats.buffer_bytes()
+    # Grads of earlier micro-steps: sharded fp32 (sync every micro-step) or unsharded fp32 per unit (no sync).
+    grads_prev = 0
+    if s.grad_accum > 1:
+        grads_prev = grads_full if s.sync_every_microstep else sum(4 * u.trainable.padded_numel for u in units
+                                                                   if u.trainable) + 4 * lora_p
+    host_per_rank = 0
+    if s.offload:  # model states move to the host; the device keeps what is gathered and in flight
+        host_per_rank = states_params - 4 * lora_p + grads_full - 4 * lora_p + opt - 8 * lora_p
+        dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_p, 8 * lora_p
+        grads_prev = min(grads_prev, 4 * lora_p) if s.sync_every_microstep else grads_prev
+        if s.device_is_cpu:  # the host IS the device: nothing is saved
+            dev_params, dev_grads, dev_opt = states_params, grads_full, opt
+    else:
+        dev_params, dev_grads, dev_opt = states_params, grads_full, opt
+
+    # Activations.
+    L = len(blocks)
+    per_layer = activation_bytes_per_layer(stats, s)
+    bsh = s.micro_batch * s.seq_len * d.hidden * c
+    ck = s.checkpointing
+    every = 0 if ck is False else (1 if ck is True else int(ck))
+    n_ckpt = 0 if not every else sum(1 for i in range(L) if i % every == 0)
+    acts = (L - n_ckpt) * per_layer + n_ckpt * bsh + root_activation_bytes(stats, s)
+    recompute = per_layer if n_ckpt else 0  # one checkpointed unit's full set, during its backward
+    rows, V = s.micro_batch * (s.seq_len - 1), d.vocab
+    logits = s.micro_batch * s.seq_len * V * c
+    ce_fwd = logits + 2 * rows * V * 4
+    ce_bwd = 3 * rows * V * 4
+
+    # Gathered units held at the end of forward.
+    unit_g = [gathered(u) for u in blocks]
+    big = max(unit_g, default=0)
+    if s.strategy in ("shard_grad_op", "no_shard"):
+        held_fwd = gathered(root) + sum(unit_g)
+    else:
+        held_fwd = gathered(root) + (unit_g[-1] if unit_g else 0)
+    offload_copy = 0
+    if s.offload and not s.device_is_cpu:  # H2D copy of the shard before its all-gather (current + prefetched)
+        offload_copy = 2 * max((f.shard_bytes() for u in units for f in u.flats), default=0)
+
+    # Backward of a unit: its params' grads (compute dtype) + their flat concatenation, fp32 cast for the reduce,
+    # the sharded output; the head's weight grad is held until the root reduces.
+    def handoff(u: UnitLayout) -> tuple[int, int]:
+        """A unit's gradient hand-off (engine/unit.py _post_backward): (grad bytes while autograd concatenates the
+        per-param grads into the flat grad, unit still gathered; grad bytes while reducing, after the unit's
+        gathered buffer is freed: the flat grad and its cast to reduce_dtype, then the cast and the 1D P/W output)."""
+        if u.trainable is None:
+            return 0, 0
+        p = u.trainable.padded_numel
+        r = _size(s.reduce)
+        cast = p * r if s.reduce != s.compute else 0
+        out = p // W * r if W > 1 else 0
+        return 2 * p * c, max(p * c + cast, (cast or p * c) + out)
+
+    last_cat, last_red = handoff(blocks[-1]) if blocks else (0, 0)
+    root_cat, root_red = handoff(root)
+    aliased_units = aliased and s.compute == DTYPES[stats.recipe.model.dtype] and not s.lora
+    bsi = s.micro_batch * s.seq_len * d.intermediate * c
+    mlp_w_grad = d.hidden * d.intermediate * c if not s.lora else 0
+    root_grad = 4 * root.trainable.shard_numel if root.trainable is not None and not s.offload else 0
+    head_grad = d.vocab * d.hidden * c if root.trainable is not None else 0
+    prefetch_g = big if s.prefetch and s.strategy not in ("shard_grad_op", "no_shard") else 0
+    held_bwd = held_fwd if s.strategy in ("shard_grad_op", "no_shard") else gathered(root) + big + prefetch_g
+
+    static = {"params": dev_params, "optimizer": dev_opt, "buffers": buffers}
+    phases: dict[str, dict[str, int]] = {
+        "forward-loss": {**static, "grads": grads_prev, "gathered": held_fwd + offload_copy,
+                         "activations": acts + ce_fwd},
+        "loss-backward": {**static, "grads": grads_prev, "gathered": held_fwd + offload_copy,
+                          "activations": acts + ce_bwd},
+        # The last unit's backward. Measured peak: inside its MLP backward, with every activation still saved, the
+        # down-projection's weight grad and two b·s·i grads (of act·up and of act / up) alive, the head's weight
+        # grad held, the previous unit prefetched. Its end (grads concatenated, cast, reduce-scattered) measured
+        # at the start's level plus the flat grad less the unit's activations.
+        "unit-backward": {**static, "grads": grads_prev + head_grad + mlp_w_grad,
+                          "gathered": held_bwd + offload_copy,
+                          "activations": acts + recompute + bsh + 2 * bsi},
+        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat, "gathered": held_bwd + offload_copy,
+                         "activations": acts + recompute + bsh - (bsh if n_ckpt else per_layer)},
+        "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red,
+                        "gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
+                        "activations": acts + recompute + bsh - (bsh if n_ckpt else per_layer)},
+        "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat,
+                         "gathered": gathered(root) + offload_copy, "activations": 0},
+        "root-reduce": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_red,
+                        "gathered": offload_copy, "activations": 0},
+        "optimizer": {**static, "grads": dev_grads, "gathered": 0,
+                      "activations": 0},
+    }
+    # AdamW temporaries. CPU (per-parameter loop): sqrt and its quotient for the current segment while the previous
+    # segment's denominator is still referenced. CUDA (foreach): one sqrt per segment, all at once.
+    segs = []
+    for decay in (True, False):  # optimizer order: decay group, then no-decay, units in forward order, root last
+        for u in units:
+            t = u.trainable
+            if t is not None:
+                n = t.decay_numel if decay else t.numel - t.decay_numel
+                if n:
+                    segs.append(4 * min(n, t.shard_numel))
+    segs += [4 * lora_p] if lora_p else []
+    if s.device_is_cpu:
+        temp = max((2 * x + (segs[i - 1] if i else 0) for i, x in enumerate(segs)), default=0)
+    else:
+        temp = sum(segs)
+    if not s.offload or s.device_is_cpu:
+        phases["optimizer"]["gathered"] = temp
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    peak = max(totals, key=totals.__getitem__)
+    per_rank = {f"{k}_bytes": phases[peak].get(k, 0) for k in CATEGORIES}
+    per_rank["total_bytes"] = totals[peak]
+    ranks_per_node = max(1, s.world // s.nodes)
+    return Estimate(per_rank=per_rank, peak_phase=peak, phases=totals, breakdown=phases, host_bytes=host_per_rank * ranks_per_node,
+                    host_per_rank=host_per_rank, units=units,
+                    trainable_params=lora_p if s.lora else stats.num_params, lora_params=lora_p)

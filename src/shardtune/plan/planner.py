@@ -1,0 +1,112 @@
+"""Recipe -> Plan: model stats on meta, the memory estimate, the capacity check, advice. `cli.plan` prints it."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from shardtune.config.load import load_recipe
+from shardtune.config.schema import Recipe
+from shardtune.plan.estimate import Estimate, Setup, estimate
+from shardtune.plan.hardware import HardwareProfile, load_profile
+from shardtune.plan.stats import ModelStats
+
+GiB = 1 << 30
+FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator blocks, fragmentation)
+CUDA_CONTEXT = 1 * GiB  # CUDA context + NCCL buffers + kernels: outside the allocator's counters
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    stats: ModelStats
+    setup: Setup
+    estimate: Estimate
+    hardware: HardwareProfile
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        if self.hardware.is_cpu:
+            ram = self.recipe.hardware.host_ram_gb
+            total = int(ram * GiB) if ram else self.hardware.memory_bytes
+            return total // max(1, self.setup.world // self.setup.nodes)  # workers of a node share its RAM
+        return self.hardware.memory_bytes
+
+    @property
+    def usable(self) -> int:
+        """What the estimate must stay under: capacity less the CUDA context and allocator slack (GPUs)."""
+        if self.hardware.is_cpu:
+            return self.capacity
+        return int(self.capacity * (1 - FRAGMENTATION)) - CUDA_CONTEXT
+
+    @property
+    def host_ok(self) -> bool:
+        ram = self.recipe.hardware.host_ram_gb
+        return ram is None or self.hardware.is_cpu or self.estimate.host_bytes <= ram * GiB
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total <= self.usable and self.host_ok
+
+    @property
+    def headroom(self) -> int:
+        return self.usable - self.estimate.total
+
+    def to_json(self) -> dict:
+        e = self.estimate
+        return {
+            "model": {"params": self.stats.num_params, "trainable_params": e.trainable_params,
+                      "lora_params": e.lora_params, "units": len(e.units)},
+            "world_size": self.setup.world,
+            "shard_group_size": self.setup.shard_size,
+            "per_rank": dict(e.per_rank),
+            "peak_phase": e.peak_phase,
+            "phases": dict(e.phases),
+            "host": {"total_bytes": e.host_bytes, "per_rank_bytes": e.host_per_rank,
+                     "ram_bytes": int(self.recipe.hardware.host_ram_gb * GiB) if self.recipe.hardware.host_ram_gb
+                     else None},
+            "hardware": self.hardware.key,
+            "capacity_bytes": self.capacity,
+            "usable_bytes": self.usable,
+            "headroom_bytes": self.headroom,
+            "fits": self.fits,
+            "advice": list(self.advice),
+        }
+
+
+def world_of(recipe: Recipe) -> tuple[int, int]:
+    """(world size, nodes): launch.nproc_per_node x launch.nnodes when fixed, else hardware.num_gpus."""
+    nodes = recipe.launch.nnodes
+    n = recipe.launch.nproc_per_node
+    if isinstance(n, int):
+        return n * nodes, nodes
+    return recipe.hardware.num_gpus, nodes
+
+
+def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup | None = None,
+                with_advice: bool = True) -> Plan:
+    stats = stats or ModelStats(recipe)
+    hw = load_profile(recipe.hardware.gpu)
+    if setup is None:
+        world, nodes = world_of(recipe)
+        setup = Setup.from_recipe(recipe, world=world, nodes=nodes,
+                                  device_is_cpu=hw.is_cpu or recipe.launch.device == "cpu")
+    from shardtune.parallelize import check_world
+
+    check_world(recipe.engine, setup.world)
+    plan = Plan(recipe, stats, setup, estimate(stats, setup), hw)
+    if with_advice and not plan.fits:
+        from shardtune.plan.search import advice
+
+        plan.advice = advice(plan)
+    return plan
+
+
+def make_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
+    return plan_recipe(load_recipe(recipe, overrides or []))
+
+
+def variant(plan: Plan, **changes) -> Plan:
+    """The same recipe with some Setup fields changed (a --fit candidate or an advice item)."""
+    return Plan(plan.recipe, plan.stats, dataclasses.replace(plan.setup, **changes),
+                estimate(plan.stats, dataclasses.replace(plan.setup, **changes)), plan.hardware)

@@ -1,0 +1,87 @@
+"""How a Plan is shown: a rich table for people, the `--json` dict for scripts, a stacked-bar PNG."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from shardtune.plan.estimate import CATEGORIES
+from shardtune.plan.planner import GiB, Plan
+
+LABELS = {"params": "params (sharded)", "grads": "grads (sharded + in flight)", "optimizer": "optimizer (AdamW)",
+          "gathered": "gathered units + comm/temp buffers", "activations": "activations (incl. fp32 logits + grad)",
+          "buffers": "module buffers"}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def summary_line(plan: Plan) -> str:
+    e = plan.estimate
+    verdict = "fits" if plan.fits else "does NOT fit"
+    return (f"{verdict}: peak {e.total / GiB:.2f} GiB/rank ({e.peak_phase}) vs {plan.usable / GiB:.2f} GiB usable "
+            f"of {plan.capacity / GiB:.2f} GiB {plan.hardware.key}; host {e.host_bytes / GiB:.1f} GiB/node")
+
+
+def print_plan(plan: Plan, console: Console | None = None) -> None:
+    console = console or Console()
+    e, s = plan.estimate, plan.setup
+    console.print(f"[bold]{plan.stats.num_params:,}[/] params ({e.trainable_params:,} trainable), "
+                  f"{len(e.units)} units; world {s.world} ({s.nodes} node(s)), shard group {s.shard_size}, "
+                  f"{s.strategy}, {'bf16' if s.compute.itemsize == 2 else 'fp32'} compute, "
+                  f"checkpointing={s.checkpointing}, offload={s.offload}, lora={s.lora}, "
+                  f"micro-batch {s.micro_batch} x seq {s.seq_len}")
+    table = Table(title=f"per-rank peak memory ({e.peak_phase})")
+    table.add_column("category")
+    table.add_column("GiB", justify="right")
+    table.add_column("% of capacity", justify="right")
+    for k in CATEGORIES:
+        b = e.per_rank[f"{k}_bytes"]
+        table.add_row(LABELS[k], _gib(b), f"{b / plan.capacity:.1%}")
+    table.add_section()
+    table.add_row("[bold]total (peak)[/]", f"[bold]{_gib(e.total)}[/]", f"{e.total / plan.capacity:.1%}")
+    table.add_row("usable (capacity less CUDA context and allocator slack)", _gib(plan.usable),
+                  f"{plan.usable / plan.capacity:.1%}")
+    table.add_row(f"capacity ({plan.hardware.name})", _gib(plan.capacity), "100.0%")
+    table.add_row("headroom", _gib(plan.headroom), f"{plan.headroom / plan.capacity:.1%}")
+    if s.offload or e.host_bytes:
+        ram = plan.recipe.hardware.host_ram_gb
+        table.add_row("host RAM per node (offloaded states)", _gib(e.host_bytes),
+                      f"of {ram:g} GiB" if ram else "")
+    console.print(table)
+    phases = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.phases.items())
+    console.print(f"phases (GiB): {phases}")
+    style = "green" if plan.fits else "red"
+    console.print(f"[{style}]{summary_line(plan)}[/]")
+    for a in plan.advice:
+        console.print(f"  advice: {a}")
+
+
+def write_png(plan: Plan, path: Path) -> None:
+    """Stacked bars: one per phase of the step, categories stacked, capacity and usable as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = plan.estimate.breakdown
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = list(phases)
+    bottom = [0.0] * len(names)
+    for k in CATEGORIES:
+        vals = [phases[p].get(k, 0) / GiB for p in names]
+        ax.bar(names, vals, bottom=bottom, label=LABELS[k])
+        bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
+    ax.axhline(plan.capacity / GiB, color="black", linestyle="-", label=f"capacity {plan.capacity / GiB:.1f} GiB")
+    ax.axhline(plan.usable / GiB, color="red", linestyle="--", label=f"usable {plan.usable / GiB:.1f} GiB")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"{Path(plan.recipe.model.config or plan.recipe.model.path or '').stem}: "
+                 f"{'fits' if plan.fits else 'does not fit'} on {plan.setup.world} x {plan.hardware.key}", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,157 @@
+"""Advice (single changes that make a plan fit) and the `--fit` search, ranked by a predicted step time.
+
+Step-time model (an estimate for ranking, not a benchmark):
+  compute   FLOPs / (peak bf16 TFLOP/s x MFU 0.4); fp32 compute at 1/4 of the bf16 rate. FLOPs per token:
+            6·N for full fine-tuning (forward 2·N, backward 4·N), 4·N + 6·N_lora with LoRA (no weight gradients
+            for the frozen base), +2·N with activation checkpointing (one more forward), plus causal attention
+            6·L·s·d_q per token (forward 2·L·s·d_q: QKᵀ and AV over half the keys on average, x3 with backward).
+  comm      ring collectives, per rank: all-gather (forward, and again in backward under full/hybrid sharding)
+            and reduce-scatter of each unit, (W-1)/W of the buffer each way, over the intra-node link when the
+            shard group fits in one node, else the inter-node link; hybrid adds one all-reduce of the gradient
+            shard across nodes; LoRA adds one all-reduce of the adapter gradients.
+  offload   host->device copy of every shard before each all-gather and device->host of the gradient shard at
+            PCIe bandwidth, plus AdamW on the host at 10 GB/s of optimizer-state traffic.
+  step      max(compute, comm) + offload with prefetch on (comm overlaps compute), compute + comm + offload off.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shardtune.plan.planner import GiB, Plan, variant
+
+MFU = 0.4
+HOST_ADAM_GBPS = 10.0
+GPUS_PER_NODE = 8
+
+
+def step_time(plan: Plan) -> dict[str, float]:
+    s, d, hw = plan.setup, plan.stats.dims, plan.hardware
+    e = plan.estimate
+    tokens = s.micro_batch * s.seq_len * s.grad_accum  # per rank per optimizer step
+    n = plan.stats.num_params
+    flops_tok = (4 * n + 6 * e.lora_params) if s.lora else 6 * n
+    if s.checkpointing is not False:
+        flops_tok += 2 * n
+    flops_tok += 6 * d.num_layers * s.seq_len * d.num_heads * d.head_dim
+    rate = hw.bf16_tflops * 1e12 * MFU * (1.0 if s.compute.itemsize == 2 else 0.25)
+    compute = flops_tok * tokens / rate
+
+    W = s.shard_size
+    per_node = max(1, s.world // s.nodes)
+    link = hw.intra_node_gbps if W <= per_node else hw.inter_node_gbps
+    c = s.compute.itemsize
+    ag = sum(f.padded_numel * c for u in e.units for f in u.flats)  # one all-gather of every unit
+    rs = sum(u.trainable.padded_numel * s.reduce.itemsize for u in e.units if u.trainable)
+    frac = (W - 1) / W if W > 1 else 0.0
+    gathers = 2 if s.strategy in ("full_shard", "hybrid_shard") else 1
+    reduces = s.grad_accum if s.sync_every_microstep else 1
+    if s.strategy == "no_shard":
+        byts = 0.0
+        comm = 2 * (s.world - 1) / s.world * rs * reduces / (link * 1e9) if s.world > 1 else 0.0
+    else:
+        byts = frac * (gathers * ag * s.grad_accum + rs * reduces)
+        comm = byts / (link * 1e9)
+        if s.strategy == "hybrid_shard" and s.world > W:
+            r = s.world // W
+            comm += 2 * (r - 1) / r * rs / W * reduces / (hw.inter_node_gbps * 1e9)
+    if e.lora_params and s.world > 1:
+        comm += 2 * (s.world - 1) / s.world * 4 * e.lora_params / (link * 1e9)
+    offload = 0.0
+    if s.offload and not s.device_is_cpu:
+        shard = sum(f.shard_bytes() for u in e.units for f in u.flats)
+        grads = sum(4 * u.trainable.shard_numel for u in e.units if u.trainable)
+        offload = (gathers * s.grad_accum * shard + reduces * grads) / (hw.pcie_gbps * 1e9)
+        offload += 16 * grads / 4 / (HOST_ADAM_GBPS * 1e9)
+    total = (max(compute, comm) if s.prefetch else compute + comm) + offload
+    return {"compute_s": compute, "comm_s": comm, "offload_s": offload, "step_s": total,
+            "tokens_per_s": tokens * s.world / total if total else 0.0}
+
+
+def _world_variant(plan: Plan, world: int) -> Plan:
+    nodes = plan.setup.nodes if world <= GPUS_PER_NODE * plan.setup.nodes else -(-world // GPUS_PER_NODE)
+    hs = plan.setup.hybrid_shard_size
+    return variant(plan, world=world, nodes=nodes, hybrid_shard_size=hs if hs and world % hs == 0 else None)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def advice(plan: Plan) -> list[str]:
+    """Each single change that makes the plan fit, with its predicted peak (best first)."""
+    s = plan.setup
+    tries: list[tuple[str, Plan]] = []
+    if not s.offload:
+        tries.append(("engine.cpu_offload=true", variant(plan, offload=True)))
+    if s.checkpointing is False:
+        tries.append(("engine.activation_checkpointing=true", variant(plan, checkpointing=True)))
+    if s.compute.itemsize == 4:
+        import torch
+
+        tries.append(("engine.mixed_precision=bf16", variant(plan, compute=torch.bfloat16)))
+    if not s.lora:
+        tries.append(("lora.enabled=true", variant(plan, lora=True)))
+    if s.strategy != "full_shard":
+        tries.append(("engine.strategy=full_shard", variant(plan, strategy="full_shard")))
+    mb = s.micro_batch
+    while mb > 1:
+        mb //= 2
+        ga = s.grad_accum * s.micro_batch // mb
+        tries.append((f"train.micro_batch_size={mb} train.grad_accum={ga} (same global batch)",
+                      variant(plan, micro_batch=mb, grad_accum=ga)))
+    for k in (2, 4, 8):
+        tries.append((f"{s.world * k} GPUs (hardware.num_gpus / launch.nproc_per_node x launch.nnodes)",
+                      _world_variant(plan, s.world * k)))
+    out, seen_world = [], False
+    for text, p in tries:
+        if p.fits:
+            if "GPUs" in text:
+                if seen_world:
+                    continue
+                seen_world = True
+            out.append((p.estimate.total, f"{text}: peak {_gib(p.estimate.total)} of {_gib(plan.usable)} usable"))
+    if not out:
+        return [f"no single change fits (peak {_gib(plan.estimate.total)} > {_gib(plan.usable)} usable): "
+                "run `shardtune plan RECIPE --fit` to search combinations"]
+    return [t for _, t in sorted(out)]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    time: dict[str, float]
+
+    def overrides(self) -> str:
+        s = self.plan.setup
+        ck = "true" if s.checkpointing is True else ("false" if s.checkpointing is False else str(s.checkpointing))
+        parts = [f"engine.strategy={s.strategy}", f"engine.activation_checkpointing={ck}",
+                 f"engine.cpu_offload={'true' if s.offload else 'false'}", f"train.micro_batch_size={s.micro_batch}",
+                 f"train.grad_accum={s.grad_accum}"]
+        if s.lora != self.plan.recipe.lora.enabled:
+            parts.append(f"lora.enabled={'true' if s.lora else 'false'}")
+        return " ".join(parts)
+
+
+def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
+    """strategy x checkpointing x offload x micro-batch (x LoRA) at the recipe's global batch; the ones that fit,
+    fastest first."""
+    s = plan.setup
+    per_rank_batch = s.micro_batch * s.grad_accum
+    strategies = ["full_shard", "shard_grad_op", "no_shard"]
+    if s.nodes > 1 or s.strategy == "hybrid_shard":
+        strategies.append("hybrid_shard")
+    micro = sorted({m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_rank_batch and per_rank_batch % m == 0})
+    loras = [s.lora, not s.lora] if try_lora else [s.lora]
+    out = []
+    for strategy in strategies:
+        for ck in (False, True):
+            for off in (False, True):
+                for m in micro:
+                    for lo in loras:
+                        setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off,
+                                                    micro_batch=m, grad_accum=per_rank_batch // m, lora=lo)
+                        p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
+                        if p.fits:
+                            out.append(Candidate(p, step_time(p)))
+    return sorted(out, key=lambda c: c.time["step_s"])

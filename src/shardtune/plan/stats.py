@@ -1,0 +1,93 @@
+"""Model facts for `plan`, read from a meta-device build (no weights, no memory: a 70B model in well under 3 s):
+parameter counts, the engine's per-unit flat layout (engine/layout.py, the code the engine itself uses), the
+architecture dims the activation model needs, and LoRA adapter sizes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from shardtune.config.schema import Recipe
+from shardtune.engine.api import ShardingPolicy
+from shardtune.engine.layout import UnitLayout, unit_layouts
+from shardtune.engine.wrap import resolve_unit_classes
+from shardtune.model import load_config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    intermediate: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, c: PretrainedConfig) -> Dims:
+        heads = c.num_attention_heads
+        return cls(hidden=c.hidden_size, intermediate=c.intermediate_size, num_layers=c.num_hidden_layers,
+                   num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size)
+
+
+class ModelStats:
+    """One meta-device model per recipe; layouts computed per (shard size, LoRA) on demand."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.hf_config = load_config(recipe.model)
+        self.dims = Dims.from_config(self.hf_config)
+        with torch.device("meta"):
+            self.model: nn.Module = AutoModelForCausalLM.from_config(
+                self.hf_config, dtype=DTYPES[recipe.model.dtype], attn_implementation=recipe.model.attn_implementation)
+        self.num_params = sum(p.numel() for p in self.model.parameters())  # tied weights once
+        self._layouts: dict[tuple[int, bool, torch.dtype], list[UnitLayout]] = {}
+
+    @cached_property
+    def unit_classes(self) -> tuple[type[nn.Module], ...]:
+        wrap = self.recipe.engine.wrap
+        return resolve_unit_classes(self.model, list(wrap) if not isinstance(wrap, (str, int)) else wrap)
+
+    def layouts(self, shard_size: int, *, frozen_base: bool, base_dtype: torch.dtype) -> list[UnitLayout]:
+        """The engine's units for this shard-group size. `frozen_base`: every base param frozen (LoRA), in
+        `base_dtype`; else all trainable in the model dtype."""
+        key = (shard_size, frozen_base, base_dtype)
+        if key not in self._layouts:
+            wrap = self.recipe.engine.wrap
+            policy = ShardingPolicy(unit_classes=self.unit_classes,
+                                    min_unit_params=wrap if isinstance(wrap, int) and not isinstance(wrap, bool) else None)
+            saved = {id(p): (p.requires_grad, p.data) for p in self.model.parameters()}
+            try:
+                for p in self.model.parameters():
+                    p.requires_grad_(not frozen_base)
+                    if frozen_base and p.dtype != base_dtype:
+                        p.data = p.data.to(base_dtype)
+                self._layouts[key] = unit_layouts(self.model, policy, shard_size)
+            finally:
+                for p in self.model.parameters():
+                    grad, data = saved[id(p)]
+                    p.data = data
+                    p.requires_grad_(grad)
+        return self._layouts[key]
+
+    def lora_params(self) -> int:
+        """Adapter params peft would add: r·(in + out) per targeted Linear (matched by the module name's last part)."""
+        lora = self.recipe.lora
+        targets = set(lora.target_modules)
+        return sum(lora.r * (m.in_features + m.out_features) for name, m in self.model.named_modules()
+                   if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+
+    def buffer_bytes(self) -> int:
+        """Module buffers (rotary inv_freq, ...): replicated, not sharded, kept in their own dtype."""
+        return sum(b.numel() * b.element_size() for b in self.model.buffers())
+
+    def has_qkv_bias(self) -> bool:
+        return any(getattr(m, "bias", None) is not None for n, m in self.model.named_modules()
+                   if n.endswith(("q_proj", "k_proj", "v_proj")))

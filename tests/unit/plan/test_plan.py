@@ -1,0 +1,127 @@
+"""`shardtune plan` without training: model configs on meta, layout shared with the engine, recipes, CLI contract."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.config.load import list_bundled_recipes, load_recipe
+from shardtune.engine.api import ShardingPolicy
+from shardtune.engine.layout import padded, unit_layouts
+from shardtune.engine.wrap import find_units, resolve_unit_classes
+from shardtune.plan import make_plan, plan_recipe
+from shardtune.plan.hardware import list_profiles, load_profile
+from shardtune.plan.stats import ModelStats
+from tests.unit.cli_helpers import run_cli
+
+MODELS = {  # published parameter counts
+    "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800,
+    "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "mistral-7b": 7_248_023_552,
+    "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_configs_build_on_meta_with_published_param_counts(name: str) -> None:
+    stats = ModelStats(load_recipe("tiny-cpu", [f"model.config=configs/models/{name}.json"]))
+    assert stats.num_params == MODELS[name]
+    assert all(p.is_meta for p in stats.model.parameters())
+
+
+def test_layout_matches_engine_units_and_padding() -> None:
+    """The layout plan uses is the engine's: units from find_units, trainable [decay | no-decay] then padding."""
+    stats = ModelStats(load_recipe("tiny-cpu", []))
+    model = stats.model
+    classes = resolve_unit_classes(model, "auto")
+    for w in (1, 3, 4):
+        layouts = unit_layouts(model, ShardingPolicy(unit_classes=classes), w)
+        units = find_units(model, classes)
+        assert len(layouts) == len(units) + 1 and layouts[-1].is_root
+        for lay, u in zip(layouts, units, strict=False):
+            n = sum(p.numel() for p in u.parameters())
+            decay = sum(p.numel() for p in u.parameters() if p.ndim >= 2)
+            t = lay.trainable
+            assert (t.numel, t.padded_numel, t.shard_numel, t.decay_numel) == (n, padded(n, w), padded(n, w) // w,
+                                                                               decay)
+            assert lay.frozen is None and t.dtype == torch.float32
+        assert sum(lay.trainable.numel for lay in layouts) == stats.num_params
+
+
+def test_frozen_base_layout_is_bf16_and_has_no_trainable_buffer() -> None:
+    stats = ModelStats(load_recipe("tiny-cpu", []))
+    layouts = stats.layouts(2, frozen_base=True, base_dtype=torch.bfloat16)
+    assert all(lay.trainable is None and lay.frozen.dtype == torch.bfloat16 for lay in layouts)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in stats.model.parameters())  # restored
+
+
+def test_hardware_profiles_load() -> None:
+    assert {"rtx3090-24gb", "rtx4090-24gb", "l40s-48gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb",
+            "cpu"} <= set(list_profiles())
+    for key in list_profiles():
+        hw = load_profile(key)
+        assert hw.memory_bytes > 0 and hw.bf16_tflops > 0 and hw.pcie_gbps > 0
+
+
+def test_70b_recipe_plans_fast_with_exact_param_count() -> None:
+    make_plan("llama-3.1-70b-lora-4x24gb")  # warm imports
+    t0 = time.perf_counter()
+    p = make_plan("llama-3.1-70b-lora-4x24gb")
+    assert time.perf_counter() - t0 < 3.0
+    j = p.to_json()
+    assert j["model"]["params"] == 70_553_706_496 and j["model"]["units"] == 81
+    assert j["fits"] is True and j["capacity_bytes"] == 24 * 2**30 and j["world_size"] == 4
+    assert j["per_rank"]["total_bytes"] == sum(v for k, v in j["per_rank"].items() if k != "total_bytes")
+    assert j["host"]["total_bytes"] > 130 * 2**30  # the bf16 base (141 GB) lives in host RAM
+
+
+def _header_verdict(path: Path) -> bool | None:
+    m = re.search(r"^# plan: (fits|does NOT fit)", path.read_text(), re.M)
+    return None if m is None else m.group(1) == "fits"
+
+
+def test_every_bundled_recipe_plans_as_its_header_says() -> None:
+    recipes = list_bundled_recipes()  # recursive: sub-folders included
+    hardware = [n for n, p in recipes.items() if "hardware" in p.parts]
+    assert len(hardware) >= 6
+    for name, path in recipes.items():
+        p = plan_recipe(load_recipe(str(path), []))
+        verdict = _header_verdict(path)
+        if name in hardware:
+            assert verdict is not None, f"{name}: header needs '# plan: fits' or '# plan: does NOT fit'"
+        if verdict is not None:
+            assert p.fits == verdict, (name, p.to_json()["per_rank"], p.usable)
+
+
+def test_cli_plan_json_contract_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_cli(["plan", "llama-3.1-70b-lora-4x24gb", "--json", "--png", str(tmp_path / "p.png")], capsys)
+    assert code == 0, err
+    j = json.loads(out)
+    for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes", "total_bytes"):
+        assert k in j["per_rank"]
+    assert {"model", "world_size", "per_rank", "host", "capacity_bytes", "fits", "advice"} <= set(j)
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    # Does not fit: exit 3, with advice that each fits.
+    code, out, _ = run_cli(["plan", "llama-3.1-70b-lora-4x24gb", "engine.cpu_offload=false", "--json"], capsys)
+    assert code == 3
+    j = json.loads(out)
+    assert not j["fits"] and j["advice"] and all("peak" in a for a in j["advice"])
+    code, out, err = run_cli(["plan", "llama-3.1-70b-lora-4x24gb", "hardware.gpu=nope"], capsys)
+    assert code == 2 and "hardware.gpu" in err
+    code, out, _ = run_cli(["plan", "llama-3.1-70b-lora-4x24gb"], capsys)  # the rich table
+    assert code == 0 and "total (peak)" in out and "fits" in out
+
+
+def test_advice_items_fit_and_fit_search_ranks() -> None:
+    from shardtune.plan.search import fit_search
+
+    p = make_plan("llama-3.1-8b-full-8x80gb", ["train.micro_batch_size=4", "train.grad_accum=2"])
+    assert not p.fits and p.advice
+    assert any(a.startswith("engine.activation_checkpointing=true") for a in p.advice)
+    found = fit_search(p)
+    assert found and all(c.plan.fits for c in found)
+    times = [c.time["step_s"] for c in found]
+    assert times == sorted(times)
