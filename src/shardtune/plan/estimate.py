@@ -15,7 +15,7 @@ A step is walked as a few phases; each phase lists what is alive, by category, a
 Model states are always alive: sharded params (fp32 master, or the frozen base in its dtype), AdamW moments
 (allocated at the first step and kept), module buffers; sharded grads from earlier micro-steps.
 Activations per decoder layer (HF Llama/Mistral/Qwen2 blocks, sdpa): what autograd saves, counted storage by storage
-on this exact code path (see the probe in tests/unit/test_plan.py):
+on this exact code path (counted with torch.autograd.graph.saved_tensors_hooks, transformers 5.x, sdpa):
   two RMSNorms: fp32 compute saves input, normalised and output (3·4 B·h); bf16 saves the fp32 upcast, the
   bf16 normalised and output (4 + 2·2 B·h);  q (rotated), k, v (repeated to all heads when a packing mask
   exists), attention output: 4 tensors;  MLP: gate, up, act(gate), act·up (4 × b·s·i);  the packing mask
