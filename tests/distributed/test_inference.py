@@ -9,6 +9,7 @@ from tests.distributed.harness import grid, run_distributed
 
 from shardtune.engine.shard import shard_model
 from shardtune.engine.unit import ShardState
+from shardtune.memory import CpuMemoryTracker
 
 
 def _inference(model_name: str, strategy: str, param_dtype: torch.dtype) -> None:
@@ -37,8 +38,37 @@ def _inference(model_name: str, strategy: str, param_dtype: torch.dtype) -> None
     assert all(u.state is ShardState.SHARDED for u in sharded.units)  # everything resharded after backward
 
 
-def test_inference_matches_unsharded_2_ranks() -> None:
-    run_distributed(_inference, 2, grid(model_name=list(MODELS), strategy=["full_shard", "shard_grad_op"],
-                                        param_dtype=[torch.float32]) +
-                    grid(model_name=["tiny-llama"], strategy=["no_shard", "full_shard"],
-                         param_dtype=[torch.bfloat16]))
+def _full_state_dict(model_name: str, strategy: str) -> None:
+    """Every original parameter, full and exact, on rank 0 only; rank 0 holds at most the yielded tensor plus one
+    gathered flat buffer beyond what it keeps."""
+    ref = build_model(model_name)
+    model = build_model(model_name)
+    sharded = shard_model(model, policy_for(model, strategy, world=dist.get_world_size()), device=torch.device("cpu"))
+    largest = max(f.padded_numel * f.shard.element_size() for u in sharded.units for f in u.flats)
+    tracker = CpuMemoryTracker().start()
+    base = tracker.live_bytes()
+    got = {}
+    for name, t in sharded.full_state_dict():
+        got[name] = (t.sum().item(), t.shape, torch.equal(t, dict(ref.named_parameters())[name].detach()))
+        del t  # a writer would stream it to disk here
+        assert tracker.live_bytes() - base <= largest
+    peak = tracker.peak_bytes() - base
+    tracker.stop()
+    if dist.get_rank() == 0:
+        assert set(got) == {n for n, _ in ref.named_parameters()}  # tied weights once, as in named_parameters()
+        assert all(eq for _, _, eq in got.values())
+        assert peak <= 2 * largest, (peak, largest)
+    else:
+        assert got == {}
+
+
+def _run(kind: str, **kw) -> None:
+    (_inference if kind == "inference" else _full_state_dict)(**kw)
+
+
+def test_inference_and_full_state_dict_2_ranks() -> None:
+    settings = (grid(model_name=list(MODELS), strategy=["full_shard", "shard_grad_op"], param_dtype=[torch.float32])
+                + grid(model_name=["tiny-llama"], strategy=["no_shard", "full_shard"], param_dtype=[torch.bfloat16]))
+    settings = [dict(kind="inference", **s) for s in settings]
+    settings += [dict(kind="state_dict", model_name=m, strategy="full_shard") for m in MODELS]
+    run_distributed(_run, 2, settings)
