@@ -63,9 +63,13 @@ def reference_run(model_name: str, accum: int) -> dict:
     return _REFERENCE[key]
 
 
-def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend: str = "shardtune") -> None:
+def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend: str = "shardtune",
+            checkpointing: bool = False) -> None:
     ref = reference_run(model_name, accum)
     model = build_model(model_name)
+    if checkpointing:  # recompute re-enters the units' forward hooks inside backward (design check for issue 4)
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = policy_for(model, strategy, world=dist.get_world_size())
     lib = shardtune_backend if backend == "shardtune" else torch_backend
     sharded = lib.shard_model(model, policy, device=torch.device("cpu"))
@@ -94,7 +98,8 @@ def _settings(strategies: list[str], accum: list[dict]) -> list[dict]:
 
 def test_parity_2_ranks() -> None:
     # accumulation both ways on full_shard; the other strategies share the same reduce path per micro-step
-    run_distributed(_parity, 2, _settings(["full_shard"], ACCUM) + _settings(["shard_grad_op", "no_shard"], ACCUM[:1]))
+    run_distributed(_parity, 2, _settings(["full_shard"], ACCUM) + _settings(["shard_grad_op", "no_shard"], ACCUM[:1])
+                    + [dict(model_name="tiny-llama", strategy="full_shard", **ACCUM[0], checkpointing=True)])
 
 
 def test_parity_4_ranks() -> None:
