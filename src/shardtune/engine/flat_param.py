@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shardtune import memory
+from shardtune.engine.layout import padded
 
 
 @dataclass
@@ -42,7 +43,7 @@ class FlatParam:
                  compute_dtype: torch.dtype, device: torch.device) -> None:
         """`params` in buffer order; the first `num_decay` of them get weight decay (trainable buffers only)."""
         dtypes = {p.dtype for _, p, _ in params}
-        assert len(dtypes) == 1, f"one dtype per flat buffer, got {dtypes}"  # checked with a UserError in shard.py
+        assert len(dtypes) == 1, f"one dtype per flat buffer, got {dtypes}"  # checked with a UserError in layout.py
         self.dtype: torch.dtype = dtypes.pop()  # master dtype of the shard (fp32 for trainable weights)
         self.compute_dtype = compute_dtype  # dtype of the gathered buffer and of forward/backward compute
         self.requires_grad = requires_grad
@@ -52,7 +53,7 @@ class FlatParam:
             self.slots.append(ParamSlot(name, p.shape, offset, p.numel(), list(locs)))
             offset += p.numel()
         self.numel = offset  # unpadded T
-        self.padded_numel = -(-offset // shard_size) * shard_size  # P, a multiple of W
+        self.padded_numel = padded(offset, shard_size)  # P, a multiple of W
         self.shard_numel = self.padded_numel // shard_size  # P / W
         self.shard_size = shard_size
         lo, hi = shard_rank * self.shard_numel, (shard_rank + 1) * self.shard_numel

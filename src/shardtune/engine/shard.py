@@ -18,8 +18,8 @@ from torch.distributed import ProcessGroup
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
 from shardtune.engine.collectives import all_gather_into, all_reduce_
 from shardtune.engine.flat_param import FlatParam
+from shardtune.engine.layout import group_unit_params
 from shardtune.engine.unit import EngineContext, Unit, group_size
-from shardtune.engine.wrap import find_units
 from shardtune.errors import UserError
 
 
@@ -141,44 +141,13 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
             if b is not None:
                 m._buffers[k] = b.to(device)
 
-    unit_modules = find_units(module, policy.unit_classes, policy.min_unit_params)
-    owner: dict[int, int] = {}  # id(submodule) -> unit index; absent -> root
-    for i, um in enumerate(unit_modules):
-        for sub in um.modules():
-            owner[id(sub)] = i
-    names = {id(p): n for n, p in module.named_parameters()}  # canonical (first) name of each parameter
-    locations: dict[int, list[tuple[nn.Module, str]]] = {}
-    param_unit: dict[int, int] = {}
-    params: dict[int, nn.Parameter] = {}
-    for m in module.modules():
-        for attr, p in m._parameters.items():
-            if p is None:
-                continue
-            u = owner.get(id(m), len(unit_modules))
-            if param_unit.setdefault(id(p), u) != u:
-                raise UserError(f"engine.wrap: parameter {names[id(p)]} is shared by two units; choose wrap classes "
-                                "that keep tied parameters in one unit (or leave them in the root)")
-            locations.setdefault(id(p), []).append((m, attr))
-            params[id(p)] = p
-
     compute = policy.mixed_precision.param_dtype
     units: list[Unit] = []
-    for i, um in enumerate([*unit_modules, module]):
-        mine = [params[k] for k in names if param_unit.get(k) == i]  # named_parameters() order
-        trainable = [p for p in mine if p.requires_grad]
-        frozen = [p for p in mine if not p.requires_grad]
-        decay = [p for p in trainable if not policy.no_weight_decay(names[id(p)], p)]
-        no_decay = [p for p in trainable if policy.no_weight_decay(names[id(p)], p)]
-        flats = []
-        for group, grad, num_decay in ((decay + no_decay, True, len(decay)), (frozen, False, 0)):
-            if not group:
-                continue
-            if len({p.dtype for p in group}) > 1:
-                raise UserError(f"model: {'trainable' if grad else 'frozen'} parameters of one unit have mixed "
-                                f"dtypes {sorted({str(p.dtype) for p in group})}; load the model in one dtype")
-            flats.append(FlatParam([(names[id(p)], p, locations[id(p)]) for p in group], requires_grad=grad,
-                                   num_decay=num_decay, shard_rank=shard_rank, shard_size=shard_size,
-                                   compute_dtype=compute, device=device))
+    unit_params = group_unit_params(module, policy)  # layout.py: shared with `plan`; raises the UserErrors
+    for i, up in enumerate(unit_params):
+        um = up.module
+        flats = [FlatParam(entries, requires_grad=grad, num_decay=nd, shard_rank=shard_rank, shard_size=shard_size,
+                           compute_dtype=compute, device=device) for entries, grad, nd in up.flat_groups()]
         # The original parameters leave the module; `model.parameters()` now yields this rank's shard segments.
         for flat in flats:
             for slot in flat.slots:
@@ -188,10 +157,6 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
                 um.register_parameter(f"_shardtune_flat_{'decay' if decay_seg else 'no_decay'}_{j}", seg)
             if not flat.requires_grad:
                 um.register_parameter("_shardtune_flat_frozen", nn.Parameter(flat.shard, requires_grad=False))
-        is_root = um is module
-        units.append(Unit(um, flats, ctx, index=-1 if is_root else i, is_root=is_root))
+        units.append(Unit(um, flats, ctx, index=-1 if up.is_root else i, is_root=up.is_root))
     ctx.units, ctx.root = units[:-1], units[-1]
-    if not ctx.root.flats:
-        raise UserError("engine.wrap: the root unit has no parameters; this engine needs the embeddings outside "
-                        "the wrapped blocks (wrap the decoder-block class only)")
     return ShardtuneModel(module, units, ctx, policy)

@@ -21,6 +21,7 @@ the trainer calls the root module (its pre-hook starts the iteration).
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,12 +135,12 @@ class Unit:
             src, views = flat.bind_views(requires_grad=grad and flat.requires_grad)
             if grad and flat.requires_grad:
                 self._leaves[i] = src
-                src.register_post_accumulate_grad_hook(lambda leaf, i=i: self._post_backward(i, leaf))
+                src.register_post_accumulate_grad_hook(_weak_hook(self, Unit._post_backward, i))
                 self._pending_post_backward.add(i)
                 if early_free:
                     self._param_grads_left += len(views)
                     for v in views:
-                        v.register_hook(self._on_param_grad)
+                        v.register_hook(_weak_hook(self, Unit._on_param_grad))
         self._pre_backward_done = False
         nxt = ctx.units[self.index + 1] if self.index + 1 < len(ctx.units) else None
         if ctx.prefetch and nxt is not None:
@@ -151,7 +152,7 @@ class Unit:
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(self._pre_backward)
+                    t.register_hook(_weak_hook(self, Unit._pre_backward))
         if not self._keep_after_forward():
             self.reshard()
         return output
@@ -237,6 +238,18 @@ def _final_callback(ctx: EngineContext) -> Callable[[], None]:
                 u.reshard()
         ctx.in_backward = False
     return run
+
+
+def _weak_hook(unit: Unit, method: Callable[..., Any], *args: Any) -> Callable[[torch.Tensor], Any]:
+    """A tensor hook calling `method(unit, *args, tensor)` through a weak reference. Autograd keeps tensor hooks on
+    its C++ side, where Python's garbage collector cannot see cycles: a hook holding the unit strongly would keep
+    module -> parameter views -> autograd graph -> hook -> unit -> module alive forever."""
+    ref = weakref.ref(unit)
+
+    def hook(t: torch.Tensor) -> Any:
+        u = ref()
+        return None if u is None else method(u, *args, t)
+    return hook
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
