@@ -5,15 +5,26 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shardtune.engine.api import ShardedModel
+from shardtune.lora import is_adapter, lora_config, save_adapter
 
 
 def save_final(sharded: ShardedModel, hf_model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path,
                *, is_main: bool) -> None:
-    """Collective: every rank iterates the state dict; rank 0 writes. Tied weights appear once (HF re-ties)."""
+    """Collective: every rank iterates the state dict; rank 0 writes. Tied weights appear once (HF re-ties).
+    Under LoRA, `out` is a PEFT adapter folder (adapters only: the base is whatever it was loaded from)."""
+    config = lora_config(hf_model)
+    if config is not None:
+        adapters = {n: _full(p) for n, p in hf_model.named_parameters() if is_adapter(n)}  # replicated (ours)
+        if is_main:
+            save_adapter(adapters, config, out)
+            tok.save_pretrained(out)
+        return
     state = {name: t.contiguous() for name, t in sharded.full_state_dict()}
     if not is_main:
         return
@@ -25,6 +36,13 @@ def save_final(sharded: ShardedModel, hf_model: PreTrainedModel, tok: PreTrained
     if hf_model.generation_config is not None:
         hf_model.generation_config.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A whole CPU copy of a parameter; collective for FSDP2's DTensors (every rank calls it in the same order)."""
+    if isinstance(p, DTensor):
+        p = p.full_tensor()
+    return p.detach().to("cpu", torch.float32, copy=True)
 
 
 def param_shapes(model: PreTrainedModel) -> dict[str, dict[str, Any]]:
@@ -39,4 +57,10 @@ def write_export_info(hf_model: PreTrainedModel, tok: PreTrainedTokenizerBase, s
     out.mkdir(parents=True, exist_ok=True)
     hf_model.config.save_pretrained(out)
     tok.save_pretrained(out)
+    config = lora_config(hf_model)
+    if config is not None:
+        config.save_pretrained(str(out))  # adapter_config.json: `shardtune export` writes a PEFT adapter
+        # The trainer read `shapes` before parallelize injected the adapters; adapters stay whole, read them now.
+        shapes = {n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+                  for n, p in hf_model.named_parameters() if is_adapter(n)}
     (out / "params.json").write_text(json.dumps(shapes, indent=1))

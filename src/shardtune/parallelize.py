@@ -15,8 +15,10 @@ from torch import nn
 
 from shardtune.config.schema import EngineConfig, Recipe
 from shardtune.engine.api import MixedPrecision, ShardedModel, ShardingPolicy, ShardingStrategy
+from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.wrap import resolve_unit_classes
 from shardtune.errors import UserError
+from shardtune.lora import apply_lora, is_adapter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -30,14 +32,11 @@ def check_world(engine: EngineConfig, world_size: int, local_world_size: int | N
                             f"pick a divisor of {world_size}")
 
 
-def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int) -> ShardingPolicy:
+def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, lora: bool = False) -> ShardingPolicy:
     # hybrid_shard without a size shards inside one node (torchrun's LOCAL_WORLD_SIZE: the ranks on this node,
     # joined by the fast intra-node links) and replicates across nodes.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     check_world(engine, world_size, local_world_size)
-    if engine.cpu_offload and world_size == 1 and not torch.cuda.is_available():
-        warnings.warn("engine.cpu_offload=true does nothing here: one CPU rank already keeps everything on the host",
-                      stacklevel=2)
     wrap = engine.wrap
     wrap_spec = list(wrap) if not isinstance(wrap, (str, int)) else wrap
     return ShardingPolicy(
@@ -50,12 +49,34 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int) -> 
         prefetch=engine.prefetch,
         sync_every_microstep=engine.sync_every_microstep,
         hybrid_shard_size=engine.hybrid_shard_size or (local_world_size if engine.strategy == "hybrid_shard" else None),
+        # Under LoRA every trainable parameter is an adapter (peft froze the rest): keep them whole on each rank.
+        replicated=(lambda name, p: is_adapter(name)) if lora else None,
     )
 
 
 def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world_size: int) -> ShardedModel:
-    policy = sharding_policy(recipe.engine, model, world_size)
-    if recipe.engine.backend == "torch":
+    engine = recipe.engine
+    # 1. LoRA first: it replaces Linear modules and freezes the base, so units and frozen flags see the final tree.
+    if recipe.lora.enabled:
+        apply_lora(model, recipe.lora, base_name=recipe.model.path or recipe.model.config)
+        if engine.mixed_precision == "bf16" and engine.backend == "shardtune":
+            # The frozen base is only ever used in bf16 compute: store its shards in bf16 too (half the memory, no
+            # cast before the all-gather). Adapters stay fp32 (the engine keeps replicated params in fp32).
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+    policy = sharding_policy(engine, model, world_size, lora=recipe.lora.enabled)
+    if engine.cpu_offload and device.type == "cpu":
+        warnings.warn("engine.cpu_offload=true saves no memory on a CPU run (params, grads and optimizer state are "
+                      "already on the host); the offload path still runs", stacklevel=2)
+    # 2. Activation checkpointing wraps whole units' forwards before sharding: the engine's hooks then sit outside
+    #    the checkpointed region, and the recompute runs on the gather the backward needs anyway.
+    ac = engine.activation_checkpointing
+    if ac is not False:
+        apply_activation_checkpointing(model, policy.unit_classes, every_k=1 if ac is True else int(ac),
+                                       min_unit_params=policy.min_unit_params)
+    # 3. Shard last: it flattens parameters into per-unit buffers (anything after would see views, not parameters).
+    if engine.backend == "torch":
         from shardtune.engine import torch_backend
 
         return torch_backend.shard_model(model, policy, device=device)

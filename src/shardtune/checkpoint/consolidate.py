@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from peft import LoraConfig
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtune.checkpoint.manager import TRAINER_FILE
 from shardtune.errors import UserError
+from shardtune.lora import ADAPTER_WEIGHTS, save_adapter
 
 
 def _read_tensor(ckpt: Path, key: str, meta: TensorStorageMetadata) -> torch.Tensor:
@@ -38,6 +40,8 @@ def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024*
     keys = [k for k in metadata if k.startswith(prefix) and k[len(prefix):] in shapes]
     if not keys:
         raise UserError(f"export: no model tensors in '{ckpt}'")
+    if info.get("lora"):
+        return [_export_adapter(ckpt, out, keys, metadata, shapes)]
     out.mkdir(parents=True, exist_ok=True)
 
     # Plan the files first (sizes are in the metadata), so names can say "-of-N" while streaming.
@@ -73,3 +77,17 @@ def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024*
         if p.name != "params.json":
             shutil.copy(p, out / p.name)
     return written
+
+
+def _export_adapter(ckpt: Path, out: Path, keys: list[str], metadata: dict, shapes: dict) -> Path:
+    """LoRA checkpoint -> PEFT adapter folder (adapters are small: one file)."""
+    if not (ckpt / "hf" / "adapter_config.json").is_file():
+        raise UserError(f"export: '{ckpt}' says lora=true but has no hf/adapter_config.json: it was written by an "
+                        "older shardtune; re-save it with this version")
+    tensors = {k.removeprefix("replicated."): _read_tensor(ckpt, k, metadata[k]) for k in keys}
+    tensors = {n: t.view(shapes[n]["shape"]) for n, t in tensors.items()}
+    save_adapter(tensors, LoraConfig.from_pretrained(str(ckpt / "hf")), out)
+    for p in (ckpt / "hf").iterdir():
+        if p.name not in ("params.json", "adapter_config.json", "config.json"):
+            shutil.copy(p, out / p.name)  # the tokenizer
+    return out / ADAPTER_WEIGHTS

@@ -47,6 +47,9 @@ class ShardingPolicy:
     sync_every_microstep: bool = True  # reduce-scatter every micro-step (False: only when sync is re-enabled)
     hybrid_shard_size: int | None = None  # ranks per shard group under HYBRID_SHARD
     no_weight_decay: Callable[[str, nn.Parameter], bool] = default_no_weight_decay
+    # Trainable parameters kept whole on every rank, outside the flat buffers (LoRA adapters): fp32, gradients
+    # summed with one bucketed all-reduce per synced backward, stepped by every rank identically. None: none.
+    replicated: Callable[[str, nn.Parameter], bool] | None = None
 
 
 class ShardedModel(Protocol):

@@ -114,7 +114,7 @@ class FlatParam:
             pad = self.padded_numel - self.numel
             pieces = src.split([s.numel for s in self.slots] + [pad])
         else:
-            src = self.full
+            src = self.full.data  # own version counter too: frozen views are saved by autograd (LoRA base)
             pieces = [src[s.offset:s.offset + s.numel] for s in self.slots]
         views = []
         for slot, piece in zip(self.slots, pieces, strict=False):

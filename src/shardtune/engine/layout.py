@@ -60,7 +60,7 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
     params: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for attr, p in m._parameters.items():
-            if p is None:
+            if p is None or _is_replicated(policy, names[id(p)], p):
                 continue
             u = owner.get(id(m), len(unit_modules))
             if param_unit.setdefault(id(p), u) != u:
@@ -92,6 +92,15 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
         raise UserError("engine.wrap: the root unit has no parameters; this engine needs the embeddings outside "
                         "the wrapped blocks (wrap the decoder-block class only)")
     return units
+
+
+def _is_replicated(policy: ShardingPolicy, name: str, p: nn.Parameter) -> bool:
+    return policy.replicated is not None and p.requires_grad and policy.replicated(name, p)
+
+
+def replicated_params(module: nn.Module, policy: ShardingPolicy) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters that stay out of the flat buffers, whole on every rank (LoRA adapters)."""
+    return [(n, p) for n, p in module.named_parameters() if _is_replicated(policy, n, p)]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from torch.distributed import ProcessGroup
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
 from shardtune.engine.collectives import all_gather_into, all_reduce_
 from shardtune.engine.flat_param import FlatParam
-from shardtune.engine.layout import group_unit_params
+from shardtune.engine.layout import group_unit_params, replicated_params
+from shardtune.engine.replicated import ReplicatedParams
 from shardtune.engine.unit import EngineContext, Unit, group_size
 from shardtune.errors import UserError
 
@@ -61,20 +62,25 @@ class ShardtuneModel:
                 for decay, _, _, seg in flat.segments:
                     yield decay, seg
 
+    def _replicated(self) -> Iterator[tuple[bool, nn.Parameter]]:
+        for name, p in self.ctx.replicated.params:
+            yield not self.policy.no_weight_decay(name, p), p
+
     def optimizer_param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
-        segs = list(self._segments())
-        return [{"params": [p for d, p in segs if d], "weight_decay": weight_decay},
-                {"params": [p for d, p in segs if not d], "weight_decay": 0.0}]
+        params = [*self._segments(), *self._replicated()]
+        return [{"params": [p for d, p in params if d], "weight_decay": weight_decay},
+                {"params": [p for d, p in params if not d], "weight_decay": 0.0}]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad for _, p in self._segments() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=self.ctx.root.flats[0].shard.device)
-        if grads:
-            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+        sq = _sq_norm(grads, self.ctx.device)
         # Sum over the shard group only: replicas (hybrid/no_shard) hold identical shards. Padding is not in any
         # segment, so it never counts. One all-reduce of one scalar.
         all_reduce_(sq, self.ctx.shard_group, self.ctx.counter)
-        total = sq.sqrt()
+        # Replicated params (LoRA adapters) hold the same reduced gradient on every rank: added once, after.
+        replicated = self.ctx.replicated.grads()
+        total = (sq + _sq_norm(replicated, self.ctx.device)).sqrt()
+        grads += replicated
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch clip_grads_with_norm_
             torch._foreach_mul_(grads, coef)
@@ -90,7 +96,7 @@ class ShardtuneModel:
         """This rank's sharded params (+ their grads when live) and unsharded grads kept while sync is off;
         excludes optimizer state and gathered parameter buffers."""
         kept = sum(g.nbytes for u in self.units for g in u._unsharded_grads.values())
-        return sum(f.state_bytes() for u in self.units for f in u.flats) + kept
+        return sum(f.state_bytes() for u in self.units for f in u.flats) + kept + self.ctx.replicated.state_bytes()
 
     def padded_numels(self) -> list[list[int]]:
         """Per unit (forward order, root last): padded numel P of each flat buffer. For accounting tests/bench."""
@@ -127,6 +133,13 @@ class ShardtuneModel:
                               optimizer)
 
 
+def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of `grads` (fp32 scalar on `device`, where the collectives run)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum().to(device)
+
+
 def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> ShardtuneModel:
     if policy.cpu_offload:
         raise UserError("engine.cpu_offload=true is not supported by engine.backend=shardtune yet: "
@@ -135,11 +148,17 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     shard_size = group_size(shard_group)
     shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
     ctx = EngineContext(strategy=policy.strategy, shard_group=shard_group, replicate_group=replicate_group,
-                        reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch)
+                        reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch, device=device)
     for m in module.modules():  # buffers (e.g. rotary inv_freq) are not sharded: move them as they are
         for k, b in m._buffers.items():
             if b is not None:
                 m._buffers[k] = b.to(device)
+    # Replicated params (LoRA adapters) stay nn.Parameters on their modules, fp32, on the compute device.
+    replicated = replicated_params(module, policy)
+    for _, p in replicated:
+        p.data = p.data.to(device=device, dtype=torch.float32)
+    world = dist.get_world_size()
+    ctx.replicated = ReplicatedParams(replicated, dist.group.WORLD if world > 1 else None, ctx.counter)
 
     compute = policy.mixed_precision.param_dtype
     units: list[Unit] = []

@@ -34,6 +34,7 @@ from torch.distributed import ProcessGroup
 from shardtune.engine.api import ShardingStrategy
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_reduce_, reduce_scatter_into
 from shardtune.engine.flat_param import FlatParam
+from shardtune.engine.replicated import ReplicatedParams
 
 
 class ShardState(enum.Enum):
@@ -54,6 +55,8 @@ class EngineContext:
     counter: CommCounter = field(default_factory=CommCounter)
     units: list[Unit] = field(default_factory=list)  # non-root units, forward order
     root: Unit | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute device
+    replicated: ReplicatedParams | None = None  # LoRA adapters: whole on every rank, one all-reduce per sync
     requires_grad_sync: bool = True
     in_backward: bool = False
 
@@ -72,6 +75,7 @@ class Unit:
         self._leaves: dict[int, torch.Tensor] = {}  # flat index -> autograd leaf of this forward
         self._pending_post_backward: set[int] = set()  # flats whose gradient has not been reduced yet
         self._pre_backward_done = False
+        self._inputs_grad_done = False  # the gradient of the unit's inputs has been computed (backward over)
         self._param_grads_left = 0  # parameter views whose gradient autograd has not produced yet
         self._unsharded_grads: dict[int, torch.Tensor] = {}  # no-sync accumulation: flat -> 1D fp32, numel P
         module.register_forward_pre_hook(self._pre_forward)
@@ -118,11 +122,11 @@ class Unit:
         return self.index == len(self.ctx.units) - 1  # the last unit is the first one backward needs
 
     # -- forward hooks ---------------------------------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any) -> Any:
         ctx = self.ctx
         if ctx.in_backward:  # activation-checkpoint recompute: gather, keep the original leaf's views
             self.wait()
-            return
+            return None
         if self.is_root:
             self._begin_iteration()
         self.wait()
@@ -142,9 +146,21 @@ class Unit:
                     for v in views:
                         v.register_hook(_weak_hook(self, Unit._on_param_grad))
         self._pre_backward_done = False
+        self._inputs_grad_done = False
         nxt = ctx.units[self.index + 1] if self.index + 1 < len(ctx.units) else None
         if ctx.prefetch and nxt is not None:
             nxt.unshard(async_op=True)  # overlaps the next unit's all-gather with this unit's compute
+        if grad and not early_free and not self.is_root:
+            # Frozen weights (LoRA base) get no gradient, so no gradient hook says when the unit's backward is over;
+            # the gradient of its inputs does: free the unit then, not at the end of the whole backward.
+            tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+            if tensors:
+                outs = _InputsGradHook.apply(_weak_hook(self, Unit._on_inputs_grad), *(args[i] for i in tensors))
+                args = list(args)
+                for i, t in zip(tensors, outs, strict=True):
+                    args[i] = t
+                return tuple(args)
+        return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.ctx.in_backward:
@@ -187,11 +203,17 @@ class Unit:
         if self._param_grads_left == 0:
             self.reshard()
 
+    def _on_inputs_grad(self, _: Any) -> None:
+        """Every path from the unit's outputs to its inputs has run: no frozen weight is needed any more."""
+        self._inputs_grad_done = True
+        if not self._pending_post_backward:
+            self.reshard()
+
     def _post_backward(self, i: int, leaf: torch.Tensor) -> None:
         grads = [leaf.grad]  # 1D, compute dtype, numel P: the unit's flat gradient for this micro-batch
         leaf.grad = None
         self._pending_post_backward.discard(i)
-        if not self._pending_post_backward:
+        if not self._pending_post_backward and (self._inputs_grad_done or all(f.requires_grad for f in self.flats)):
             # Free the gathered parameters before reducing: gloo's reduce-scatter copies its input, so this
             # lowers the backward peak by one unit (the root's embeddings + head for the last one).
             self.reshard()
@@ -236,8 +258,25 @@ def _final_callback(ctx: EngineContext) -> Callable[[], None]:
             u._leaves.clear()
             if u.state is not ShardState.SHARDED:
                 u.reshard()
+        if ctx.replicated is not None and ctx.requires_grad_sync:
+            ctx.replicated.reduce()  # adapters: one bucketed all-reduce, after every unit's reduce-scatter
         ctx.in_backward = False
     return run
+
+
+class _InputsGradHook(torch.autograd.Function):
+    """Identity on a unit's inputs. Its backward runs once the gradients of all of them are ready, i.e. after every
+    node of the unit's backward that leads to them (those are the ones that read the unit's weights)."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Callable[[Any], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hook = hook
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hook(None)
+        return (None, *grads)
 
 
 def _weak_hook(unit: Unit, method: Callable[..., Any], *args: Any) -> Callable[[torch.Tensor], Any]:

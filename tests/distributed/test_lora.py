@@ -1,0 +1,165 @@
+"""LoRA over a frozen sharded base: parity with single-process LoRA, replicated adapters, no base gradients or
+reduce-scatter, one adapter all-reduce per synced backward, early free of frozen units, bf16 base, PEFT `final/`."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from peft import PeftModel
+from tests.distributed.common import adamw, build_model, global_batch, num_targets, token_loss_sum, train_step
+from tests.distributed.harness import run_distributed
+
+from shardtune.config.schema import LoraConfig
+from shardtune.data.char_tokenizer import build_char_tokenizer
+from shardtune.engine.api import MixedPrecision, ShardingPolicy, ShardingStrategy
+from shardtune.engine.shard import shard_model
+from shardtune.engine.unit import ShardState
+from shardtune.engine.wrap import resolve_unit_classes
+from shardtune.export import save_final
+from shardtune.lora import apply_lora, is_adapter
+
+NUM_STEPS = 6
+LORA = LoraConfig(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def lora_model(seed: int = 0):
+    model = build_model("tiny-llama", seed=seed)
+    torch.manual_seed(seed + 1)  # adapter init: the same on every rank
+    return apply_lora(model, LORA)
+
+
+def lora_policy(model, *, strategy: str = "full_shard", param_dtype=torch.float32) -> ShardingPolicy:
+    return ShardingPolicy(strategy=ShardingStrategy(strategy), unit_classes=resolve_unit_classes(model, "auto"),
+                          mixed_precision=MixedPrecision(param_dtype=param_dtype),
+                          hybrid_shard_size=2 if strategy == "hybrid_shard" else None,
+                          replicated=lambda name, p: is_adapter(name))
+
+
+def ring(numel: int, elem: int, world: int) -> int:
+    return 2 * (world - 1) * numel * elem // world
+
+
+def _reference(accum: int):
+    ref = lora_model()
+    opt = adamw(ref)  # groups every parameter; frozen ones never get a grad, so AdamW skips them
+    out = [train_step(ref, None, opt, s, accum=accum, sync_each=True) for s in range(NUM_STEPS)]
+    return out, {n: p.detach().clone() for n, p in ref.named_parameters() if is_adapter(n)}
+
+
+def _parity(strategy: str, accum: int, sync_each: bool) -> None:
+    world = dist.get_world_size()
+    ref_steps, ref_adapters = _reference(accum)
+    model = lora_model()
+    sharded = shard_model(model, lora_policy(model, strategy=strategy), device=torch.device("cpu"))
+    groups = sharded.optimizer_param_groups(0.1)
+    adapters = {n: p for n, p in model.named_parameters() if is_adapter(n)}
+    # The optimizer steps exactly the adapters, whole; the base is frozen: no segments, no shard grads.
+    assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in adapters.values()}
+    assert all(not f.requires_grad and not f.segments for u in sharded.units for f in u.flats)
+    opt = adamw(groups)
+    for step in range(NUM_STEPS):
+        before = sharded.comm_bytes()
+        loss, norm = train_step(model, sharded, opt, step, accum=accum, sync_each=sync_each)
+        ref_loss, ref_norm = ref_steps[step]
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (step, loss, ref_loss)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=1e-7)
+        if step == 0 and strategy == "full_shard":
+            # Per micro-step: all-gathers only (forward; backward re-gather but the last unit); per synced
+            # backward: one fp32 all-reduce of all adapters; the clip scalar. No reduce-scatter at all.
+            numels = [sum(f) for f in sharded.padded_numels()]
+            *blocks, root = numels
+            gathers = sum(2 * ring(n, 4, world) for n in blocks[:-1]) + ring(blocks[-1], 4, world) + ring(root, 4, world)
+            syncs = accum if sync_each else 1
+            n_adapters = sum(p.numel() for p in adapters.values())
+            expect = accum * gathers + syncs * 2 * ring(n_adapters, 4, world) + 2 * ring(1, 4, world)
+            assert sharded.comm_bytes() - before == expect, (sharded.comm_bytes() - before, expect)
+    for n, p in adapters.items():
+        torch.testing.assert_close(p.detach(), ref_adapters[n], rtol=1e-4, atol=1e-6)
+        gathered = [torch.empty_like(p) for _ in range(world)]
+        dist.all_gather(gathered, p.detach())
+        assert all(torch.equal(g, gathered[0]) for g in gathered)  # replicated: bit-identical on every rank
+
+
+def _frozen_units_free_early() -> None:
+    """A unit holding only frozen weights is freed as soon as its inputs' gradient exists, not at the end."""
+    model = lora_model()
+    sharded = shard_model(model, lora_policy(model), device=torch.device("cpu"))
+    units = sharded.units[:-1]
+    seen: list[list[ShardState]] = []
+
+    def on_grad(_):
+        seen.append([u.state for u in units])  # when unit 0's backward starts
+
+    def hook(module, args, out) -> None:
+        out.register_hook(on_grad)
+
+    units[0].module.register_forward_hook(hook)
+    ids, labels = global_batch(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (token_loss_sum(model, ids.chunk(world)[rank], labels.chunk(world)[rank]) / num_targets(labels)).backward()
+    assert seen and all(s is ShardState.SHARDED for s in seen[0][2:]), seen  # units 2.. already freed
+    assert all(u.state is ShardState.SHARDED for u in sharded.units)
+
+
+def _bf16_base() -> None:
+    """bf16 frozen base + fp32 adapters: dtypes as designed, and training follows fp32 LoRA closely."""
+    ref_steps, _ = _reference(1)
+    model = lora_model()
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)  # what parallelize does under mixed_precision=bf16 + LoRA
+    sharded = shard_model(model, lora_policy(model, param_dtype=torch.bfloat16), device=torch.device("cpu"))
+    assert all(f.dtype == torch.bfloat16 for u in sharded.units for f in u.flats)
+    opt = adamw(sharded.optimizer_param_groups(0.1))
+    assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    def grads_are_fp32() -> None:
+        assert all(p.grad.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+
+    for step in range(4):
+        loss, _ = train_step(model, sharded, opt, step, accum=1, sync_each=True, before_step=grads_are_fp32)
+        assert abs(loss - ref_steps[step][0]) <= 2e-2 * abs(ref_steps[step][0]), (step, loss, ref_steps[step][0])
+
+
+def _peft_final(out_dir: str) -> None:
+    """`final/` under LoRA is a PEFT adapter: PeftModel.from_pretrained(base, final) gives the trained logits."""
+    model = lora_model()
+    sharded = shard_model(model, lora_policy(model), device=torch.device("cpu"))
+    opt = adamw(sharded.optimizer_param_groups(0.1))
+    for step in range(3):
+        train_step(model, sharded, opt, step, accum=1, sync_each=True)
+    ids, _ = global_batch(99)
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    out = Path(out_dir) / "final"
+    save_final(sharded, model, build_char_tokenizer(), out, is_main=dist.get_rank() == 0)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+        loaded = PeftModel.from_pretrained(build_model("tiny-llama"), str(out)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, trained, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(build_model("tiny-llama")(input_ids=ids).logits, trained)  # it did train
+
+
+def _all(kind: str, **kw) -> None:
+    {"parity": _parity, "early": _frozen_units_free_early, "bf16": _bf16_base, "final": _peft_final}[kind](**kw)
+
+
+def test_lora_2_ranks() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_all, 2, [
+            dict(kind="parity", strategy="full_shard", accum=1, sync_each=True),
+            dict(kind="parity", strategy="full_shard", accum=2, sync_each=True),
+            dict(kind="parity", strategy="full_shard", accum=2, sync_each=False),
+            dict(kind="parity", strategy="no_shard", accum=1, sync_each=True),
+            dict(kind="early"),
+            dict(kind="bf16"),
+            dict(kind="final", out_dir=tmp),
+        ])
+
+
+def test_lora_4_ranks() -> None:
+    run_distributed(_all, 4, [dict(kind="parity", strategy="full_shard", accum=2, sync_each=False),
+                              dict(kind="parity", strategy="hybrid_shard", accum=1, sync_each=True)])
