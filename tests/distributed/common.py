@@ -33,7 +33,7 @@ def global_batch(step: int, *, num_seqs: int = 8, seq_len: int = 16, vocab: int 
 
 
 def token_loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=ids).logits.float()
+    logits = model(input_ids=ids, use_cache=False).logits.float()
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum")
 
@@ -60,15 +60,15 @@ def adamw(groups_or_model, weight_decay: float = 0.1) -> torch.optim.AdamW:
 
 
 def train_step(model: nn.Module, sharded, opt, step: int, *, accum: int, sync_each: bool,
-               max_grad_norm: float = 1.0, before_step=None) -> tuple[float, torch.Tensor]:
+               max_grad_norm: float = 1.0, before_step=None, device: str = "cpu") -> tuple[float, torch.Tensor]:
     """One optimizer step over the global batch; this rank takes its slice of each micro-batch.
     Loss per micro-batch = sum CE / global target tokens, so summed gradients equal the single-process ones."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded is not None else (0, 1)
     ids, labels = global_batch(step)
     total = num_targets(labels)
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=device)
     for m, (mi, ml) in enumerate(zip(ids.chunk(accum), labels.chunk(accum), strict=True)):
-        mi, ml = mi.chunk(world)[rank], ml.chunk(world)[rank]
+        mi, ml = mi.chunk(world)[rank].to(device), ml.chunk(world)[rank].to(device)
         if sharded is not None:
             sharded.set_requires_gradient_sync(sync_each or m == accum - 1)
         loss = token_loss_sum(model, mi, ml) / total

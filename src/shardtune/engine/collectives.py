@@ -9,7 +9,8 @@ buffers are padded to one); the scalar all-reduce of grad clipping rounds down.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,13 @@ from torch.distributed import ProcessGroup
 @dataclass
 class CommCounter:
     bytes: int = 0  # monotonic: sent + received by this rank
+    by_op: Counter = field(default_factory=Counter)  # (op, dtype) -> bytes: what tests and bench break down
+    calls: Counter = field(default_factory=Counter)  # (op, dtype) -> number of collectives
+
+    def add(self, op: str, dtype: torch.dtype, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.by_op[op, dtype] += nbytes
+        self.calls[op, dtype] += 1
 
 
 def _ring_bytes(numel: int, elem_size: int, world: int) -> int:
@@ -33,7 +41,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
     if world == 1:
         out.copy_(shard)
         return None
-    counter.bytes += _ring_bytes(out.numel(), out.element_size(), world)
+    counter.add("all_gather", out.dtype, _ring_bytes(out.numel(), out.element_size(), world))
     return dist.all_gather_single(out, shard, group=group, async_op=async_op)
 
 
@@ -51,7 +59,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGro
     if world == 1:
         out.copy_(full)
         return
-    counter.bytes += _ring_bytes(full.numel(), full.element_size(), world)
+    counter.add("reduce_scatter", full.dtype, _ring_bytes(full.numel(), full.element_size(), world))
     if not (full_is_scratch and dist.get_backend(group) == "gloo"):
         dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
         return
@@ -76,5 +84,5 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, counter: CommC
     world = 1 if group is None else dist.get_world_size(group)
     if world == 1:
         return None
-    counter.bytes += 2 * _ring_bytes(tensor.numel(), tensor.element_size(), world)
+    counter.add("all_reduce", tensor.dtype, 2 * _ring_bytes(tensor.numel(), tensor.element_size(), world))
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

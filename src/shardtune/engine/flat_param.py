@@ -40,8 +40,10 @@ class ParamSlot:
 class FlatParam:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], *,
                  requires_grad: bool, num_decay: int, shard_rank: int, shard_size: int,
-                 compute_dtype: torch.dtype, device: torch.device) -> None:
-        """`params` in buffer order; the first `num_decay` of them get weight decay (trainable buffers only)."""
+                 compute_dtype: torch.dtype, device: torch.device, offload: bool = False) -> None:
+        """`params` in buffer order; the first `num_decay` of them get weight decay (trainable buffers only).
+        `offload`: the shard (and so its gradient and AdamW state) lives on the host, pinned when `device` is CUDA;
+        only the gathered buffer lives on `device`."""
         dtypes = {p.dtype for _, p, _ in params}
         assert len(dtypes) == 1, f"one dtype per flat buffer, got {dtypes}"  # checked with a UserError in layout.py
         self.dtype: torch.dtype = dtypes.pop()  # master dtype of the shard (fp32 for trainable weights)
@@ -60,7 +62,10 @@ class FlatParam:
 
         # The shard: 1D, master dtype, numel P/W. Built from the full parameters every rank holds at construction
         # (same seed); costs one unit of extra host memory transiently. Meta params (loader fills later) are skipped.
-        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        self.device = device  # compute device: `full` lives here
+        host = offload and device.type != "cpu"
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device="cpu" if offload else device,
+                                 pin_memory=host)  # pinned: the H2D copy before each all-gather runs async
         for slot, (_, p, _) in zip(self.slots, params, strict=True):
             a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
             if a < b and not p.is_meta:
@@ -77,7 +82,7 @@ class FlatParam:
         self._shard_grad_ref: weakref.ref[torch.Tensor] | None = None  # weak: zero_grad(set_to_none) frees it
 
         # No shard group and no cast: the shard IS the full buffer (no_shard fp32); never freed, nothing copied.
-        self.aliased = shard_size == 1 and compute_dtype == self.dtype
+        self.aliased = shard_size == 1 and compute_dtype == self.dtype and self.shard.device == device
         if self.aliased:
             self.full = self.shard
         else:
@@ -101,8 +106,9 @@ class FlatParam:
             memory.storage_resized(self.full)
 
     def gather_input(self) -> torch.Tensor:
-        """What this rank sends in the all-gather: its shard cast to the compute dtype (halves bytes for bf16)."""
-        return self.shard if self.dtype == self.compute_dtype else self.shard.to(self.compute_dtype)
+        """What this rank sends in the all-gather: its shard on the compute device (offload: the H2D copy, a no-op
+        on CPU), cast to the compute dtype (halves bytes for bf16)."""
+        return self.shard.to(self.device, non_blocking=True).to(self.compute_dtype)  # no copy when already so
 
     def bind_views(self, *, requires_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Point every original parameter attribute at its view of `full`. Returns the tensor the views come from
@@ -136,9 +142,10 @@ class FlatParam:
         """shard grad += new (1D, numel P/W); `new` is owned by us and becomes the grad when there is none."""
         if not self.segments:
             return  # this rank owns only padding
+        new = new.to(self.shard.device, self.dtype)  # offload: D2H of the reduced shard (no copy when already so)
         base = self.shard_grad()
         if base is None:
-            base = new if new.dtype == self.dtype else new.to(self.dtype)
+            base = new
             self._shard_grad_ref = weakref.ref(base)
             for _, a, b, seg in self.segments:
                 seg.grad = base[a:b]  # views: keep `base` alive exactly as long as the optimizer keeps grads

@@ -37,7 +37,7 @@ class ReplicatedParams:
             self._offsets.append(offset)
             offset += p.numel()
         self.numel = offset
-        if group is not None:
+        if group is not None and params:
             ref = weakref.ref(self)  # weak: autograd keeps hooks on its C++ side, out of the gc's sight
             for i, (_, p) in enumerate(params):
                 p.register_hook(lambda g, i=i: _add_pending(ref, i, g))
@@ -51,7 +51,7 @@ class ReplicatedParams:
 
     def reduce(self) -> None:
         """End of a synced backward: sum the pending local gradients over ranks (one all-reduce)."""
-        if self.group is None:
+        if self.group is None or not self.params:
             return
         if self.pending is None:  # no adapter gradient on this rank: still join the collective
             self.pending = torch.zeros(self.numel, dtype=torch.float32, device=self.params[0][1].device)

@@ -83,7 +83,8 @@ class ShardtuneModel:
         grads += replicated
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch clip_grads_with_norm_
-            torch._foreach_mul_(grads, coef)
+            for dev in {g.device for g in grads}:  # offload: shard grads on the host, adapters on the device
+                torch._foreach_mul_([g for g in grads if g.device == dev], coef.to(dev))
         return total
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
@@ -107,11 +108,11 @@ class ShardtuneModel:
         rank0 = dist.get_rank() == 0
         for u in self.units:
             for flat in u.flats:
-                full = torch.empty(flat.padded_numel, dtype=flat.dtype, device=flat.shard.device)
+                full = torch.empty(flat.padded_numel, dtype=flat.dtype, device=self.ctx.device)
                 if self.ctx.shard_group is None:
                     full.copy_(flat.shard)
                 else:
-                    all_gather_into(full, flat.shard, self.ctx.shard_group, self.ctx.counter)
+                    all_gather_into(full, flat.shard.to(self.ctx.device), self.ctx.shard_group, self.ctx.counter)
                 if rank0:
                     for s in flat.slots:
                         yield s.name, full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
@@ -141,9 +142,6 @@ def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> ShardtuneModel:
-    if policy.cpu_offload:
-        raise UserError("engine.cpu_offload=true is not supported by engine.backend=shardtune yet: "
-                        "set engine.cpu_offload=false or engine.backend=torch")
     shard_group, replicate_group = build_groups(policy.strategy, policy.hybrid_shard_size)
     shard_size = group_size(shard_group)
     shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
@@ -166,7 +164,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     for i, up in enumerate(unit_params):
         um = up.module
         flats = [FlatParam(entries, requires_grad=grad, num_decay=nd, shard_rank=shard_rank, shard_size=shard_size,
-                           compute_dtype=compute, device=device) for entries, grad, nd in up.flat_groups()]
+                           compute_dtype=compute, device=device, offload=policy.cpu_offload) for entries, grad, nd in up.flat_groups()]
         # The original parameters leave the module; `model.parameters()` now yields this rank's shard segments.
         for flat in flats:
             for slot in flat.slots:

@@ -70,6 +70,7 @@ class Unit:
         self.index = index  # position in ctx.units (-1 for the root)
         self.is_root = is_root
         self.state = ShardState.SHARDED
+        self.num_unshards = 0  # gathers issued (forward, backward; never by a checkpoint recompute): tests, bench
         self._works: list[Any] = []
         self._sends: list[torch.Tensor] = []  # bf16 casts of the shards, alive until the gather completes
         self._leaves: dict[int, torch.Tensor] = {}  # flat index -> autograd leaf of this forward
@@ -85,6 +86,7 @@ class Unit:
     def unshard(self, *, async_op: bool) -> None:
         if self.state is not ShardState.SHARDED:
             return
+        self.num_unshards += 1
         for flat in self.flats:
             if flat.aliased:
                 continue
