@@ -1,0 +1,66 @@
+"""LoRA through the real CLI with every memory feature on (the bundled tiny-lora-cpu recipe: LoRA + bf16 +
+activation checkpointing + CPU offload, 2 CPU workers): trains, checkpoints adapters + optimizer only, resumes
+exactly, and `final/` and `shardtune export` are PEFT adapters that load with PeftModel.from_pretrained."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from peft import PeftModel
+
+from shardtune.config.load import load_recipe
+from shardtune.model import build_model
+from tests.integration.runs import FAST, cli, losses
+
+
+def train_args(run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "tiny-lora-cpu", f"train.output_dir={run_dir}", "train.save_every=3", *FAST, *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("lora") / "reference"
+    proc = cli(*train_args(run_dir), cwd=run_dir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def base_model():
+    recipe = load_recipe("tiny-lora-cpu")
+    return build_model(recipe.model, seed=recipe.train.seed).eval()
+
+
+def test_lora_checkpoint_holds_adapters_and_optimizer_only(reference):
+    keys = set(dcp.FileSystemReader(str(reference / "checkpoints" / "step_6")).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith(("model.", "replicated."))}
+    assert model_keys and all(k.startswith("replicated.") and ".lora_" in k for k in model_keys), sorted(keys)[:5]
+    assert any(k.startswith("replicated_optim.") and k.endswith(".exp_avg") for k in keys)
+
+
+def test_lora_resume_is_exact(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_3", run_dir / "checkpoints" / "step_3")
+    (run_dir / "checkpoints" / "latest").write_text("step_3")
+    proc = cli(*train_args(run_dir), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert losses(run_dir) == {s: v for s, v in losses(reference).items() if s > 3}
+
+
+def test_lora_export_and_final_are_peft_adapters(reference, tmp_path):
+    out = tmp_path / "export"
+    proc = cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for folder in (out, reference / "final"):
+        assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
+    ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = base_model()(input_ids=ids).logits
+        exported = PeftModel.from_pretrained(base_model(), str(out)).eval()(input_ids=ids).logits
+        final = PeftModel.from_pretrained(base_model(), str(reference / "final")).eval()(input_ids=ids).logits
+    torch.testing.assert_close(exported, final, rtol=0, atol=0)  # the same adapters, step 6
+    assert not torch.allclose(exported, base)  # and they changed the model
