@@ -16,6 +16,7 @@ from transformers import (
 from shardtune.config.schema import ModelConfig
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.errors import UserError
+from shardtune.loading import build_empty
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -32,14 +33,16 @@ def load_config(cfg: ModelConfig) -> PretrainedConfig:
 
 
 def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> PreTrainedModel:
-    """Random init is seeded, so every rank builds identical weights before sharding."""
+    """Random init is seeded, so every rank builds identical weights before sharding. Pretrained: parameters on
+    the meta device, buffers real; `parallelize` fills them (each rank reads only its shard)."""
     hf_config = load_config(cfg)
     dtype = DTYPES[cfg.dtype]
     if cfg.init == "pretrained":
         if not any(Path(cfg.path).glob("*.safetensors")):  # type: ignore[arg-type]
             raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
-        return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, local_files_only=True,
-                                                    attn_implementation=cfg.attn_implementation).to(device)
+        # Parameters on meta (no bytes); parallelize loads each rank's shard from the files (loading.py).
+        return build_empty(lambda: AutoModelForCausalLM.from_config(
+            hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation))
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)

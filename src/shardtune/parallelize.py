@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from shardtune.engine.api import MixedPrecision, ShardedModel, ShardingPolicy, S
 from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.wrap import resolve_unit_classes
 from shardtune.errors import UserError
+from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora, is_adapter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,6 +61,7 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     # 1. LoRA first: it replaces Linear modules and freezes the base, so units and frozen flags see the final tree.
     if recipe.lora.enabled:
         apply_lora(model, recipe.lora, base_name=recipe.model.path or recipe.model.config)
+        materialize_adapters(model, seed=recipe.train.seed)  # pretrained base on meta: peft put adapters there too
         if engine.mixed_precision == "bf16" and engine.backend == "shardtune":
             # The frozen base is only ever used in bf16 compute: store its shards in bf16 too (half the memory, no
             # cast before the all-gather). Adapters stay fp32 (the engine keeps replicated params in fp32).
@@ -76,10 +79,31 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
         apply_activation_checkpointing(model, policy.unit_classes, every_k=1 if ac is True else int(ac),
                                        min_unit_params=policy.min_unit_params)
     # 3. Shard last: it flattens parameters into per-unit buffers (anything after would see views, not parameters).
+    #    model.init=pretrained: parameters are on meta until here; our engine fills each rank's shards from the files.
+    pretrained = Path(recipe.model.path) if recipe.model.init == "pretrained" else None
     if engine.backend == "torch":
         from shardtune.engine import torch_backend
 
+        if pretrained is not None:
+            load_full(model, pretrained, device)  # FSDP2 path: every rank reads the whole model, then shards
         return torch_backend.shard_model(model, policy, device=device)
     from shardtune.engine import shard
 
-    return shard.shard_model(model, policy, device=device)
+    sharded = shard.shard_model(model, policy, device=device)
+    if pretrained is not None:
+        load_into_shards([f for u in sharded.units for f in u.flats], sharded.module, pretrained)
+    return sharded
+
+
+def materialize_adapters(model: nn.Module, *, seed: int) -> None:
+    """LoRA adapters left on the meta device get real, seeded (identical on every rank) peft initialisation."""
+    meta = [m for m in model.modules() if hasattr(m, "reset_lora_parameters")
+            and any(p.is_meta for p in m.parameters(recurse=True) if p.requires_grad)]
+    if not meta:
+        return
+    torch.manual_seed(seed)
+    for m in meta:
+        for adapter in m.lora_A:
+            m.lora_A[adapter].to_empty(device="cpu")  # a meta tensor cannot take real data in place
+            m.lora_B[adapter].to_empty(device="cpu")
+            m.reset_lora_parameters(adapter, True)

@@ -3,6 +3,7 @@ activation checkpointing + CPU offload, 2 CPU workers): trains, checkpoints adap
 exactly, and `final/` and `shardtune export` are PEFT adapters that load with PeftModel.from_pretrained."""
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -64,3 +65,18 @@ def test_lora_export_and_final_are_peft_adapters(reference, tmp_path):
         final = PeftModel.from_pretrained(base_model(), str(reference / "final")).eval()(input_ids=ids).logits
     torch.testing.assert_close(exported, final, rtol=0, atol=0)  # the same adapters, step 6
     assert not torch.allclose(exported, base)  # and they changed the model
+
+
+def test_lora_over_pretrained_checkpoint_loads_sharded(tmp_path):
+    """model.init=pretrained: the base is built on meta and each rank reads its shards from the files (a
+    multi-file checkpoint with an index); peft's adapters, created on meta too, get a real seeded init."""
+    base = base_model()
+    base.save_pretrained(tmp_path / "pre", max_shard_size="300KB")
+    run_dir = tmp_path / "run"
+    proc = cli(*train_args(run_dir, "model.init=pretrained", f"model.path={tmp_path / 'pre'}", "model.config=null",
+                           "train.max_steps=2", "train.save_every=0"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tuned = PeftModel.from_pretrained(base, str(run_dir / "final")).eval()(input_ids=ids).logits
+    assert torch.isfinite(tuned).all() and all(math.isfinite(v) for v in losses(run_dir).values())

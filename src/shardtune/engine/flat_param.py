@@ -19,6 +19,7 @@ reduce-scatter, and the shard stays in the parameters' own dtype (e.g. a bf16 ba
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,7 @@ class FlatParam:
         self.padded_numel = padded(offset, shard_size)  # P, a multiple of W
         self.shard_numel = self.padded_numel // shard_size  # P / W
         self.shard_size = shard_size
+        self.shard_rank = shard_rank
         lo, hi = shard_rank * self.shard_numel, (shard_rank + 1) * self.shard_numel
 
         # The shard: 1D, master dtype, numel P/W. Built from the full parameters every rank holds at construction
@@ -86,8 +88,18 @@ class FlatParam:
         if self.aliased:
             self.full = self.shard
         else:
-            self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)  # 1D, compute, P
-            self.free_full()
+            # 1D, compute dtype, numel P once allocated. Created empty: never allocated here, so building a model
+            # (e.g. while loading a checkpoint) holds no gathered unit, not even transiently.
+            self.full = torch.empty(0, dtype=compute_dtype, device=device)
+
+    def pieces(self, shard_rank: int | None = None) -> Iterator[tuple[int, int, int, int]]:
+        """(slot index, start in the parameter, start in the shard, length) of each piece a shard rank holds."""
+        r = self.shard_rank if shard_rank is None else shard_rank
+        lo, hi = r * self.shard_numel, (r + 1) * self.shard_numel
+        for i, s in enumerate(self.slots):
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b:
+                yield i, a - s.offset, a - lo, b - a
 
     # -- unsharded buffer ------------------------------------------------------------------------------------------
     def is_full_allocated(self) -> bool:
@@ -96,7 +108,10 @@ class FlatParam:
     def alloc_full(self) -> None:
         """Re-grow `full`'s storage. Views created earlier (saved by autograd) alias it and see the new data."""
         if not self.aliased and not self.is_full_allocated():
-            self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+            storage = self.full.untyped_storage()
+            storage.resize_(self.padded_numel * self.full.element_size())
+            if self.full.numel() != self.padded_numel:  # first allocation: same tensor object, now of numel P
+                self.full.set_(storage, 0, (self.padded_numel,), (1,))
             memory.storage_resized(self.full)
 
     def free_full(self) -> None:

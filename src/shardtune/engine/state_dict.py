@@ -12,7 +12,6 @@ from the recipe (pretrained weights or the seeded init).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,22 +37,13 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _pieces(flat: FlatParam, shard_rank: int) -> Iterator[tuple[int, int, int, int]]:
-    """(slot index, start in the parameter, start in the shard, length) of each piece this shard rank holds."""
-    lo, hi = shard_rank * flat.shard_numel, (shard_rank + 1) * flat.shard_numel
-    for i, s in enumerate(flat.slots):
-        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-        if a < b:
-            yield i, a - s.offset, a - lo, b - a
-
-
 def _sharded(flat: FlatParam, slot_index: int, local: torch.Tensor | None, shard_rank: int,
              placement_device: str) -> ShardedTensor:
     """A 1-D ShardedTensor over one parameter: chunk metadata for every shard rank, data for this one."""
     slot = flat.slots[slot_index]
     metas, mine = [], []
     for r in range(flat.shard_size):
-        for i, p_start, _, n in _pieces(flat, r):
+        for i, p_start, _, n in flat.pieces(r):
             if i == slot_index:
                 m = ShardMetadata(shard_offsets=[p_start], shard_sizes=[n], placement=f"rank:{r}/{placement_device}")
                 metas.append(m)
@@ -82,7 +72,7 @@ def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: t
             local_model: dict[int, torch.Tensor] = {}
             local_opt: dict[int, dict[str, torch.Tensor]] = {}
             if owner:
-                for i, _, s_start, n in _pieces(flat, shard_rank):
+                for i, _, s_start, n in flat.pieces(shard_rank):
                     local_model[i] = flat.shard[s_start:s_start + n]
                     for _, a, b, seg in flat.segments:
                         if a <= s_start < b:
