@@ -128,6 +128,10 @@ def _bf16(backend: str, num_steps: int = 8) -> None:
         other = _BF16_LOSSES["torch"]
         for step, (a, b) in enumerate(zip(losses, other, strict=True)):
             assert abs(a - b) <= 2e-3 * abs(b), (step, a, b)
+        # Our deviation from fp32 stays within the spread FSDP2 itself shows against fp32 (same policy).
+        def spread(run: list[float]) -> float:
+            return max(abs(x - f) / abs(f) for x, f in zip(run, ref["losses"], strict=False))
+        assert spread(losses) <= 1.5 * spread(other) + 1e-4, (spread(losses), spread(other))
     _BF16_LOSSES[backend] = losses
 
 
