@@ -13,7 +13,12 @@ One training step of full_shard (units 0..L-1 in forward order, the root unit ho
   end     : an autograd-engine callback reduces any unit whose gradient never arrived (zeros; keeps collectives
             matched across ranks) and reshards everything.
 Under no_grad (eval, generate) every unit, root included, is freed after its forward.
-Activation-checkpoint recompute runs forward hooks inside backward: there a unit is gathered but not freed and its
+Frozen weights (LoRA base) get no gradient hooks: a unit with frozen flats is freed when the gradient of its inputs
+is computed (an identity autograd Function on its inputs), i.e. as soon as its backward is over.
+Replicated params (LoRA adapters) are reduced in the end-of-backward callback, one bucket (replicated.py).
+With `apply_activation_checkpointing` (checkpointing.py) the recompute calls the unit's original forward without
+hooks, on the buffer its backward gathered. HF's own gradient checkpointing instead runs the forward hooks inside
+backward: there a unit is gathered but not freed and its
 views are not rebound (the saved views of the original leaf are refilled in place), so gradients still reach it.
 Limits: a unit's forward runs once per iteration (a module reused within one forward would rebind its views);
 the trainer calls the root module (its pre-hook starts the iteration).
