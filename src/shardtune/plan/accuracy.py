@@ -37,19 +37,30 @@ class Case:
 
 
 def default_grid() -> list[Case]:
-    """World size 1/2/4 x strategy x precision x micro-batch x seq_len (checkpointing, offload, LoRA: not in the
-    engine yet; add them here when they land)."""
+    """World size 1/2/4 x strategy x precision x micro-batch x seq_len, plus activation checkpointing, CPU offload and
+    LoRA (each swapped in for a configuration the others already cover, to keep the runtime)."""
     cases = []
     for mp_ in ("fp32", "bf16"):
         for mb, s in ((1, 128), (2, 256)):
-            cases.append(Case(f"w1 {mp_} mb{mb} s{s}", 1, (f"engine.mixed_precision={mp_}",
-                                                               f"train.micro_batch_size={mb}", f"data.seq_len={s}")))
+            extra = ("engine.activation_checkpointing=true",) if (mp_, mb) == ("bf16", 2) else ()
+            cases.append(Case(f"w1 {mp_} mb{mb} s{s}" + (" ckpt" if extra else ""), 1,
+                              (f"engine.mixed_precision={mp_}", f"train.micro_batch_size={mb}", f"data.seq_len={s}",
+                               *extra)))
     for strat in ("full_shard", "shard_grad_op", "no_shard"):
         for mp_ in ("fp32", "bf16"):
             mb, s = (2, 128) if mp_ == "fp32" else (1, 256)
-            cases.append(Case(f"w2 {strat} {mp_} mb{mb} s{s}", 2,
-                              (f"engine.strategy={strat}", f"engine.mixed_precision={mp_}",
-                               f"train.micro_batch_size={mb}", f"data.seq_len={s}")))
+            extra: tuple[str, ...] = ()
+            if (strat, mp_) == ("shard_grad_op", "bf16"):
+                strat_, extra = "full_shard", ("lora.enabled=true", "lora.r=8")
+            elif (strat, mp_) == ("no_shard", "bf16"):
+                strat_, mp_, mb, s, extra = "full_shard", "fp32", 2, 128, ("engine.cpu_offload=true",)
+            else:
+                strat_ = strat
+            label = {"lora.enabled=true": " lora", "engine.cpu_offload=true": " offload"}.get(
+                extra[0] if extra else "", "")
+            cases.append(Case(f"w2 {strat_} {mp_} mb{mb} s{s}{label}", 2,
+                              (f"engine.strategy={strat_}", f"engine.mixed_precision={mp_}",
+                               f"train.micro_batch_size={mb}", f"data.seq_len={s}", *extra)))
     for strat in ("full_shard", "hybrid_shard"):
         mp_ = "bf16" if strat == "hybrid_shard" else "fp32"
         cases.append(Case(f"w4 {strat} {mp_} mb1 s128", 4,
