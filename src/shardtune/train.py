@@ -88,6 +88,8 @@ def train(recipe: Recipe) -> dict:
             raise TrainingStopped(f"stopped by signal {stop.signum} after step {step + 1}; checkpoint: "
                                   f"{run.checkpoints.latest_name() or 'none (train.save_every=0)'}", EXIT_PREEMPTED)
 
+    if tracker is not None:
+        tracker.stop()  # the dispatch mode costs Python work per op: not during export and decoding
     acc_after = exact_match(run.model, run.tok, demo, rt) if demo else None
     if cfg.save_final:
         save_final(run.sharded, run.model, run.tok, run.run_dir / "final", is_main=rt.is_main)
