@@ -16,7 +16,7 @@ COMMON = [f"train.max_steps={MAX_STEPS}", "data.num_samples=200", "data.seq_len=
 _reference: dict[str, list[float]] = {}
 
 
-def run_train(run_dir: Path, *overrides: str, cwd: Path, timeout: int = 300) -> subprocess.Popen:
+def run_train(run_dir: Path, *overrides: str, cwd: Path, timeout: int = 900) -> subprocess.Popen:
     cmd = [SHARDTUNE, "train", "tiny-cpu", *COMMON, f"train.output_dir={run_dir}", *overrides]
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -37,7 +37,7 @@ def reference_losses(base: Path) -> list[float]:
     if "ref" not in _reference:
         run = base / "reference-1x2"
         proc = run_train(run, "launch.nproc_per_node=2", cwd=base)
-        out, _ = proc.communicate(timeout=300)
+        out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-3000:]
         _reference["ref"] = losses(run)
         assert len(_reference["ref"]) == MAX_STEPS

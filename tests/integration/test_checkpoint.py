@@ -90,9 +90,11 @@ def test_resume_at_another_world_size(reference, tmp_path, nproc, micro):
 
 def test_resume_1_to_2_workers(reference, tmp_path):
     run_dir = tmp_path / "run"
-    first = cli(*train_args(run_dir, "launch.nproc_per_node=1", "train.micro_batch_size=16", "train.max_steps=3"),
-                cwd=tmp_path)
+    # One worker writes step_3 (same max_steps, so the same lr schedule); keep only that checkpoint.
+    first = cli(*train_args(run_dir, "launch.nproc_per_node=1", "train.micro_batch_size=16"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(run_dir / "checkpoints" / "step_6")
+    (run_dir / "checkpoints" / "latest").write_text("step_3")
     # Same command with 2 workers and max_steps=6: picks up step_3 written by one worker.
     proc = cli(*train_args(run_dir), cwd=tmp_path)
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]

@@ -31,7 +31,7 @@ def test_two_nodes_match_one_node(tmp_path_factory):
     nodes = [run_train(run, "launch.nnodes=2", endpoint, "launch.nproc_per_node=1", f"launch.node_rank={r}",
                        cwd=tmp) for r in (0, 1)]
     try:
-        outs = [p.communicate(timeout=300)[0] for p in nodes]
+        outs = [p.communicate(timeout=900)[0] for p in nodes]
     finally:
         for p in nodes:
             if p.poll() is None:
