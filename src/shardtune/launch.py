@@ -99,6 +99,11 @@ def launch_train(cfg: DictConfig) -> int:
     if pick_device_type(recipe.launch) == "cpu":
         threads = recipe.launch.threads_per_worker or max(1, (os.cpu_count() or 2) // nproc)
         env["OMP_NUM_THREADS"] = str(threads)  # one worker per core share: oversubscription halves speed
+    if recipe.launch.max_restarts > 0:
+        # torchrun's workers share the agent's store by default, and that store outlives a restart: the new
+        # workers would read the dead attempt's gloo/NCCL addresses under the same keys and fail with "Connection
+        # refused" (pytorch/pytorch#167288). Unshared, rank 0 of each attempt hosts a fresh store on a new port.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # SLURM delivers a step's signals to every process in it: torchrun's agent has no USR1 handler and would die
     # (killing the workers mid-checkpoint), so it inherits SIG_IGN from here; the workers set their own handler.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)

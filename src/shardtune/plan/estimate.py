@@ -227,8 +227,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         "optimizer": {**static, "grads": dev_grads, "gathered": 0,
                       "activations": 0},
     }
-    # AdamW temporaries. CPU (per-parameter loop): sqrt and its quotient for the current segment while the previous
-    # segment's denominator is still referenced. CUDA (foreach): one sqrt per segment, all at once.
+    # AdamW temporaries. Host states (a CPU run; offload steps on the host too) use the fused CPU kernel
+    # (train.build_optimizer): in place, no temporaries. CUDA (foreach): one sqrt per segment, all at once.
     segs = []
     for decay in (True, False):  # optimizer order: decay group, then no-decay, units in forward order, root last
         for u in units:
@@ -238,10 +238,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                 if n:
                     segs.append(4 * min(n, t.shard_numel))
     segs += [4 * lora_p] if lora_p else []
-    if s.device_is_cpu:
-        temp = max((2 * x + (segs[i - 1] if i else 0) for i, x in enumerate(segs)), default=0)
-    else:
-        temp = sum(segs)
+    temp = 0 if s.device_is_cpu else sum(segs)
     if not s.offload or s.device_is_cpu:
         phases["optimizer"]["gathered"] = temp
     totals = {k: sum(v.values()) for k, v in phases.items()}
