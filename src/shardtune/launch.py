@@ -12,14 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 from shardtune.config.load import to_recipe, to_yaml
-from shardtune.config.schema import Recipe
+from shardtune.config.schema import Recipe, check_world
 from shardtune.errors import UserError
-from shardtune.parallelize import check_world
-from shardtune.runtime import pick_device_type
 
 USER_ERROR_FILE = ".user_error"
 EXIT_CODE_FILE = ".exit_code"  # a worker's documented exit code (preempted 75, diverged 4) survives torchrun
@@ -30,9 +27,10 @@ def in_worker_env() -> bool:
 
 
 def workers_per_node(recipe: Recipe) -> int:
-    device = pick_device_type(recipe.launch)
     n = recipe.launch.nproc_per_node
-    if device == "cuda":
+    if recipe.launch.device_type() == "cuda":
+        import torch
+
         if not torch.cuda.is_available():
             raise UserError("launch.device=cuda but no CUDA GPU is visible: use launch.device=cpu or auto")
         gpus = torch.cuda.device_count()
@@ -96,7 +94,7 @@ def launch_train(cfg: DictConfig) -> int:
     (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
     (run_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
     env = dict(os.environ)
-    if pick_device_type(recipe.launch) == "cpu":
+    if recipe.launch.device_type() == "cpu":
         threads = recipe.launch.threads_per_worker or max(1, (os.cpu_count() or 2) // nproc)
         env["OMP_NUM_THREADS"] = str(threads)  # one worker per core share: oversubscription halves speed
     if recipe.launch.max_restarts > 0:

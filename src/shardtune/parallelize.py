@@ -14,24 +14,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtune.config.schema import EngineConfig, Recipe
+from shardtune.config.schema import EngineConfig, Recipe, check_world
 from shardtune.engine.api import MixedPrecision, ShardedModel, ShardingPolicy, ShardingStrategy
 from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.wrap import resolve_unit_classes
-from shardtune.errors import UserError
 from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora, is_adapter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def check_world(engine: EngineConfig, world_size: int, local_world_size: int | None = None) -> None:
-    """Sharding that cannot work on this world size is a user error, found before any model is built."""
-    if engine.strategy == "hybrid_shard":
-        size = engine.hybrid_shard_size or local_world_size or world_size
-        if size > world_size or world_size % size:
-            raise UserError(f"engine.hybrid_shard_size={size} does not divide the world size {world_size}: "
-                            f"pick a divisor of {world_size}")
 
 
 def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, lora: bool = False) -> ShardingPolicy:

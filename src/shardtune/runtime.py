@@ -23,18 +23,12 @@ class Runtime:
         return self.rank == 0
 
 
-def pick_device_type(launch: LaunchConfig) -> str:
-    if launch.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return launch.device
-
-
 def init_runtime(launch: LaunchConfig) -> Runtime:
     """Called inside a torchrun/srun worker (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device_type = pick_device_type(launch)
+    device_type = launch.device_type()
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -28,9 +28,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from shardtune.config.load import load_recipe, resolve_recipe_path
-from shardtune.config.schema import Recipe
+from shardtune.config.schema import Recipe, check_world
 from shardtune.errors import UserError
-from shardtune.parallelize import check_world
 
 # c10d rendezvous port = RDZV_PORT_BASE + job id % RDZV_PORT_SPAN: two jobs sharing a head node get different
 # ports, a requeued job (same id) gets its old one back. 20000-29999 stays below Linux's ephemeral range (32768+).

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardtune.errors import UserError
+
 
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
@@ -73,6 +75,15 @@ class EngineConfig:
                "engine.wrap", f"must be auto, a list of module class names, or a minimum unit size in params, got {w!r}")
         if self.hybrid_shard_size is not None:
             _check(self.hybrid_shard_size >= 1, "engine.hybrid_shard_size", f"must be >= 1, got {self.hybrid_shard_size}")
+
+
+def check_world(engine: EngineConfig, world_size: int, local_world_size: int | None = None) -> None:
+    """Sharding that cannot work on this world size is a user error, found before any model is built."""
+    if engine.strategy == "hybrid_shard":
+        size = engine.hybrid_shard_size or local_world_size or world_size
+        if size > world_size or world_size % size:
+            raise UserError(f"engine.hybrid_shard_size={size} does not divide the world size {world_size}: "
+                            f"pick a divisor of {world_size}")
 
 
 @dataclass(kw_only=True)
@@ -152,6 +163,15 @@ class LaunchConfig:
         _check(self.nnodes >= 1, "launch.nnodes", f"must be >= 1, got {self.nnodes}")
         _check(self.device in ("auto", "cpu", "cuda"), "launch.device", f"must be auto, cpu or cuda, got {self.device!r}")
         _check(self.max_restarts >= 0, "launch.max_restarts", f"must be >= 0, got {self.max_restarts}")
+
+    def device_type(self) -> str:
+        """cpu or cuda. torch is imported only to resolve `auto`: the launcher process stays light (a CPU launch
+        starts its workers ~2 s sooner without it)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from shardtune.config.load import load_recipe
-from shardtune.config.schema import Recipe
+from shardtune.config.schema import Recipe, check_world
 from shardtune.plan.estimate import Estimate, Setup, estimate
 from shardtune.plan.hardware import HardwareProfile, load_profile
 from shardtune.plan.stats import ModelStats
@@ -91,8 +91,6 @@ def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup
         world, nodes = world_of(recipe)
         setup = Setup.from_recipe(recipe, world=world, nodes=nodes,
                                   device_is_cpu=hw.is_cpu or recipe.launch.device == "cpu")
-    from shardtune.parallelize import check_world
-
     check_world(recipe.engine, setup.world)
     plan = Plan(recipe, stats, setup, estimate(stats, setup), hw)
     if with_advice and not plan.fits:
