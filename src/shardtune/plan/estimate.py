@@ -5,9 +5,10 @@ A step is walked as a few phases; each phase lists what is alive, by category, a
                  (flattened, shifted) and log_softmax's fp32 output
   loss-backward  same, but the CE tail is log_softmax output + its gradient + the gradient of its input (3 fp32
                  b·(s-1)·V tensors): usually the peak for large vocabularies
-  unit-backward  inside the last unit's MLP backward: root + that unit + the prefetched previous one gathered,
-                 the head's weight gradient (held until the root reduces), every activation still saved, the
-                 down-projection's weight grad and two b·s·i activation grads
+  unit-backward  inside a unit's MLP backward, the worst unit: root + that unit + the prefetched previous one
+                 gathered, the head's weight gradient (held until the root reduces), the activations of that unit
+                 and the earlier ones, the sharded grads of the later ones, the down-projection's weight grad and
+                 two b·s·i activation grads. The last unit without checkpointing; with it, often the first
   unit-gradcat   end of it: its activations freed, its per-param grads + their flat concatenation (2·P)
   unit-reduce    after the engine frees the unit: the flat grad, its cast to reduce_dtype, the P/W output
   root-gradcat / root-reduce: the same for the root unit at the very end of backward (other units' grads sharded)
@@ -159,9 +160,11 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     bsh = s.micro_batch * s.seq_len * d.hidden * c
     ck = s.checkpointing
     every = 0 if ck is False else (1 if ck is True else int(ck))
-    n_ckpt = 0 if not every else sum(1 for i in range(L) if i % every == 0)
-    acts = (L - n_ckpt) * per_layer + n_ckpt * bsh + root_activation_bytes(stats, s)
-    recompute = per_layer if n_ckpt else 0  # one checkpointed unit's full set, during its backward
+    ckpt = [bool(every) and i % every == 0 for i in range(L)]  # units 0, k, 2k, ... (engine/checkpointing.py)
+    saved = [bsh if c_ else per_layer for c_ in ckpt]  # a checkpointed unit keeps only its input
+    acts = sum(saved) + root_activation_bytes(stats, s)
+    last_ckpt = bool(ckpt) and ckpt[-1]
+    recompute = per_layer if last_ckpt else 0  # the last unit's full set, recomputed during its backward
     rows, V = s.micro_batch * (s.seq_len - 1), d.vocab
     logits = s.micro_batch * s.seq_len * V * c
     ce_fwd = logits + 2 * rows * V * 4
@@ -202,24 +205,40 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     prefetch_g = big if s.prefetch and s.strategy not in ("shard_grad_op", "no_shard") else 0
     held_bwd = held_fwd if s.strategy in ("shard_grad_op", "no_shard") else gathered(root) + big + prefetch_g
 
+    # Backward of unit i (inside its MLP backward): the activations saved by units 0..i-1, unit i's own set (saved,
+    # or recomputed on top of its saved input), the sharded grads of every later unit. Without checkpointing the
+    # last unit is the worst (all activations alive); with it the earliest can be (little was saved, the grads of
+    # all later units exist: measured at the first unit's recompute, every-1 checkpointing).
+    grads_on_device = not s.offload or s.device_is_cpu
+    unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
+
+    def unit_backward(i: int) -> dict[str, int]:
+        own = saved[i] + (per_layer if ckpt[i] else 0)
+        if s.strategy in ("shard_grad_op", "no_shard"):
+            held = held_fwd
+        else:
+            held = gathered(root) + unit_g[i] + (unit_g[i - 1] if i and s.prefetch else 0)
+        return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad,
+                "gathered": held + offload_copy, "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
+                + bsh + 2 * bsi}
     static = {"params": dev_params, "optimizer": dev_opt, "buffers": buffers}
     phases: dict[str, dict[str, int]] = {
         "forward-loss": {**static, "grads": grads_prev, "gathered": held_fwd + offload_copy,
                          "activations": acts + ce_fwd},
         "loss-backward": {**static, "grads": grads_prev, "gathered": held_fwd + offload_copy,
                           "activations": acts + ce_bwd},
-        # The last unit's backward. Measured peak: inside its MLP backward, with every activation still saved, the
-        # down-projection's weight grad and two b·s·i grads (of act·up and of act / up) alive, the head's weight
-        # grad held, the previous unit prefetched. Its end (grads concatenated, cast, reduce-scattered) measured
-        # at the start's level plus the flat grad less the unit's activations.
-        "unit-backward": {**static, "grads": grads_prev + head_grad + mlp_w_grad,
-                          "gathered": held_bwd + offload_copy,
-                          "activations": acts + recompute + bsh + 2 * bsi},
+        # The worst unit's backward (unit_backward above). For the last unit, measured: the peak inside its MLP
+        # backward, with every activation still saved, the down-projection's weight grad and two b·s·i grads (of
+        # act·up and of act / up) alive, the head's weight grad held, the previous unit prefetched. Its end (grads
+        # concatenated, cast, reduce-scattered) measured at the start's level plus the flat grad less the unit's
+        # activations.
+        "unit-backward": max((unit_backward(i) for i in range(L)), key=lambda ph: sum(ph.values()),
+                             default={**static, "grads": 0, "gathered": 0, "activations": 0}),
         "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat, "gathered": held_bwd + offload_copy,
-                         "activations": acts + recompute + bsh - (bsh if n_ckpt else per_layer)},
+                         "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)},
         "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red,
                         "gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
-                        "activations": acts + recompute + bsh - (bsh if n_ckpt else per_layer)},
+                        "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)},
         "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat,
                          "gathered": gathered(root) + offload_copy, "activations": 0},
         "root-reduce": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_red,
