@@ -22,6 +22,7 @@ on this exact code path (counted with torch.autograd.graph.saved_tensors_hooks, 
   exists), attention output: 4 tensors;  MLP: gate, up, act(gate), act·up (4 × b·s·i);  the packing mask
   b·s²; softmax log-sum-exp b·heads·s fp32; two rsqrt b·s fp32.
 Checkpointed units keep only their input (b·s·h) and recompute one unit's set during its backward.
+Under LoRA the frozen base changes that set (lora_norms_mlp_bytes).
 """
 from __future__ import annotations
 
@@ -104,13 +105,38 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     q_dim = d.num_heads * d.head_dim
     mask = s.packing  # HF builds a (b,1,s,s) mask for packed rows and then repeats k/v to every head
     kv_dim = q_dim if mask else d.num_kv_heads * d.head_dim
-    norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
     attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
-    mlp = 4 * bs * d.intermediate * c
+    if s.lora:
+        norms, mlp = lora_norms_mlp_bytes(stats, s)
+    else:
+        norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
+        mlp = 4 * bs * d.intermediate * c
     extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
     if stats.recipe.model.attn_implementation == "eager":
         extra += b * d.num_heads * n * n * (4 + c)  # softmax output (fp32) and its cast, saved for backward
     return norms + attn + mlp + extra
+
+
+def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
+    """Norms and MLP under LoRA (measured with saved_tensors_hooks, peft 0.x, fp32 and bf16). A frozen weight
+    needs no saved input: each RMSNorm keeps only its fp32 input (or upcast), the MLP gate, up and act(gate), not
+    act·up. Each adapter saves its input in the adapters' dtype (fp32): in fp32 compute the base's own input tensor
+    (shared by modules reading the same tensor; o_proj's is the attention output, saved anyway), in bf16 one fp32
+    cast per adapted module; plus its (b·s, r) lora_A output."""
+    d, bs, c = stats.dims, s.micro_batch * s.seq_len, _size(s.compute)
+    q_dim, r = d.num_heads * d.head_dim, stats.recipe.lora.r
+    inputs = {"q_proj": ("attn_in", d.hidden), "k_proj": ("attn_in", d.hidden), "v_proj": ("attn_in", d.hidden),
+              "o_proj": ("attn_out", q_dim), "gate_proj": ("mlp_in", d.hidden), "up_proj": ("mlp_in", d.hidden),
+              "down_proj": ("mlp_act", d.intermediate)}
+    targets = [t for t in stats.recipe.lora.target_modules if t in inputs]
+    if c == 4:  # no cast: one saved tensor per distinct input; the attention output is already counted
+        distinct = {inputs[t][0]: inputs[t][1] for t in targets}
+        adapter_in = sum(bs * width * 4 for key, width in distinct.items() if key != "attn_out")
+    else:
+        adapter_in = sum(bs * inputs[t][1] * 4 for t in targets)
+    norms = 2 * bs * d.hidden * 4
+    mlp = 3 * bs * d.intermediate * c + adapter_in + len(targets) * bs * r * 4  # adapters counted with the MLP
+    return norms, mlp
 
 
 def root_activation_bytes(stats: ModelStats, s: Setup) -> int:
