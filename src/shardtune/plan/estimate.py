@@ -9,7 +9,8 @@ A step is walked as a few phases; each phase lists what is alive, by category, a
                  gathered, the head's weight gradient (held until the root reduces), the activations of that unit
                  and the earlier ones, the sharded grads of the later ones, the down-projection's weight grad and
                  two b·s·i activation grads. The last unit without checkpointing; with it, often the first
-  unit-gradcat   end of it: its activations freed, its per-param grads + their flat concatenation (2·P)
+  unit-gradcat   end of it: its activations freed, its per-param grads + their flat concatenation (2·P); its
+                 gathered buffer is already freed (at the last parameter grad)
   unit-reduce    after the engine frees the unit: the flat grad, its cast to reduce_dtype, the P/W output
   root-gradcat / root-reduce: the same for the root unit at the very end of backward (other units' grads sharded)
   optimizer      sharded params + grads + AdamW moments + per-parameter temporaries
@@ -260,13 +261,16 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         # activations.
         "unit-backward": max((unit_backward(i) for i in range(L)), key=lambda ph: sum(ph.values()),
                              default={**static, "grads": 0, "gathered": 0, "activations": 0}),
-        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat, "gathered": held_bwd + offload_copy,
+        # The engine frees a unit's gathered buffer at its last parameter grad, before autograd cats the flat
+        # grad (engine/unit.py _on_param_grad): the cat and the reduce run without it (unless aliased at W=1).
+        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat,
+                         "gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
                          "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)},
         "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red,
                         "gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
                         "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)},
         "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat,
-                         "gathered": gathered(root) + offload_copy, "activations": 0},
+                         "gathered": (gathered(root) if aliased_units else 0) + offload_copy, "activations": 0},
         "root-reduce": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_red,
                         "gathered": offload_copy, "activations": 0},
         "optimizer": {**static, "grads": dev_grads, "gathered": 0,
