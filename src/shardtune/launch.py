@@ -60,6 +60,8 @@ def torchrun_command(recipe: Recipe, recipe_file: Path, nproc: int) -> list[str]
                 f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'shardtune')}"]
         if launch.node_rank is not None:
             cmd.append(f"--node-rank={launch.node_rank}")
+        if launch.local_addr:
+            cmd.append(f"--local-addr={launch.local_addr}")
     error_file = Path(recipe.train.output_dir) / USER_ERROR_FILE
     return cmd + ["-m", "shardtune.worker", str(recipe_file), f"--error-file={error_file}"]
 

@@ -221,8 +221,9 @@ def apply_allocation(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> Di
     """`shardtune train` inside `srun` (no torchrun around it): take the nodes from SLURM, without flags.
 
     One task per node (what the generated script runs): launch.nnodes and launch.rdzv_endpoint come from the
-    step (first node's address, port from the job id), unless the recipe already sets them. A step with several
-    tasks per node is refused: each task would start its own torchrun; use --ntasks-per-node=1.
+    step (first node's address, port from the job id), unless the recipe already sets them; with restarts on,
+    launch.local_addr is this node's NodeAddr. A step with several tasks per node is refused: each task would
+    start its own torchrun; use --ntasks-per-node=1.
     """
     nodes = int(env.get("SLURM_STEP_NUM_NODES", "0") or 0)
     if not nodes or "SLURM_JOB_ID" not in env:
@@ -231,15 +232,19 @@ def apply_allocation(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> Di
     if tasks != nodes:
         raise UserError(f"shardtune train runs as one SLURM task per node (it starts torchrun itself), but this "
                         f"step has {tasks} tasks on {nodes} node(s): use srun --ntasks-per-node=1")
-    if nodes == 1 or cfg.launch.nnodes != 1 or cfg.launch.rdzv_endpoint is not None:
-        return cfg  # one node: torchrun --standalone; or the user chose the rendezvous
-    head = head_node_addr(env)
-    if head is None:
-        raise UserError("inside a multi-node srun step but `scontrol show hostnames` failed: set "
-                        "launch.nnodes and launch.rdzv_endpoint=HOST:PORT yourself")
+    if nodes == 1:
+        return cfg  # one node: torchrun --standalone
     cfg = cfg.copy()
-    cfg.launch.nnodes = nodes
-    cfg.launch.rdzv_endpoint = f"{head}:{rendezvous_port(int(env['SLURM_JOB_ID']))}"
+    if cfg.launch.nnodes == 1 and cfg.launch.rdzv_endpoint is None:  # else the user chose the rendezvous
+        head = head_node_addr(env)
+        if head is None:
+            raise UserError("inside a multi-node srun step but `scontrol show hostnames` failed: set "
+                            "launch.nnodes and launch.rdzv_endpoint=HOST:PORT yourself")
+        cfg.launch.nnodes = nodes
+        cfg.launch.rdzv_endpoint = f"{head}:{rendezvous_port(int(env['SLURM_JOB_ID']))}"
+    if cfg.launch.max_restarts > 0 and cfg.launch.local_addr is None and env.get("SLURMD_NODENAME"):
+        # restarts host each attempt's store on rank 0's node: at the address SLURM knows it by, not getfqdn()
+        cfg.launch.local_addr = node_addr(env["SLURMD_NODENAME"])
     return cfg
 
 
@@ -251,9 +256,17 @@ def head_node_addr(env: Mapping[str, str] = os.environ) -> str | None:
     try:
         hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                                timeout=30, check=True).stdout.split()
-        node = subprocess.run(["scontrol", "show", "node", hosts[0]], capture_output=True, text=True,
-                              timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError, IndexError):
+    except (OSError, subprocess.SubprocessError):
         return None
+    return node_addr(hosts[0]) if hosts else None
+
+
+def node_addr(name: str) -> str:
+    """A node's NodeAddr from `scontrol show node` (its name when SLURM has no address for it, or fails)."""
+    try:
+        node = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True,
+                              timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return name
     m = re.search(r"NodeAddr=(\S+)", node)
-    return m.group(1) if m else hosts[0]
+    return m.group(1) if m else name

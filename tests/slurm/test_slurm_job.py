@@ -53,16 +53,18 @@ def test_sbatch_job_matches_local_run(slurm_cluster, tmp_path_factory):
 
 
 def test_train_inside_srun_finds_nodes_and_rendezvous(slurm_cluster, tmp_path):
-    """`srun shardtune train` needs no launch flags: SLURM's step variables become nnodes + rendezvous."""
-    code = ("import os; from shardtune.config.load import load_recipe_config; "
-            "from shardtune.slurm import apply_allocation; c = apply_allocation(load_recipe_config('tiny-cpu')).launch; "
-            "print(c.nnodes, c.rdzv_endpoint, os.environ['SLURM_JOB_ID'])")
+    """`srun shardtune train` needs no launch flags: SLURM's step variables become nnodes + rendezvous (and, with
+    restarts on, the address each node's torchrun advertises: its NodeAddr)."""
+    code = ("import os; from shardtune.config.load import load_recipe_config; from shardtune.slurm import "
+            "apply_allocation; c = apply_allocation(load_recipe_config('tiny-cpu', ['launch.max_restarts=1'])).launch; "
+            "print(c.nnodes, c.rdzv_endpoint, os.environ['SLURM_JOB_ID'], c.local_addr)")
     proc = slurm_cluster.run(["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-c", code], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     outs = sorted(ln.split() for ln in proc.stdout.strip().splitlines())
     assert len(outs) == 2 and outs[0] == outs[1], proc.stdout  # both nodes agree
-    nnodes, endpoint, job_id = outs[0]
+    nnodes, endpoint, job_id, local_addr = outs[0]
     assert nnodes == "2" and endpoint == f"127.0.0.1:{20000 + int(job_id) % 10000}", proc.stdout  # node1's NodeAddr
+    assert local_addr == "127.0.0.1", proc.stdout  # each node's own NodeAddr (both are on loopback here)
     many = slurm_cluster.run(["srun", "--nodes=1", "--ntasks=2", sys.executable, "-c", code], cwd=tmp_path)
     assert many.returncode != 0 and "--ntasks-per-node=1" in many.stderr, many.stderr
 

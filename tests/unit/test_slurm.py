@@ -112,6 +112,24 @@ def test_train_inside_srun_takes_nodes_and_rendezvous_from_slurm(monkeypatch):
         apply_allocation(plain, {**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "16"})
 
 
+def test_restarts_inside_srun_host_the_store_at_this_nodes_slurm_address(monkeypatch):
+    import shardtune.slurm
+    from shardtune.config.load import to_recipe
+    from shardtune.launch import torchrun_command
+
+    monkeypatch.setattr(shardtune.slurm, "head_node_addr", lambda env: "10.1.2.3")
+    monkeypatch.setattr(shardtune.slurm, "node_addr", {"node2": "10.1.2.4"}.__getitem__)
+    step = {**SLURM_STEP, "SLURMD_NODENAME": "node2"}
+    cfg = apply_allocation(load_recipe_config("tiny-cpu", ["launch.max_restarts=1"]), step)
+    assert cfg.launch.local_addr == "10.1.2.4"
+    cmd = torchrun_command(to_recipe(cfg), Path("r.yaml"), 2)
+    assert "--local-addr=10.1.2.4" in cmd and "--rdzv-endpoint=10.1.2.3:24242" in cmd
+    # without restarts the workers' store is the rendezvous endpoint's: torchrun's default stays
+    assert apply_allocation(load_recipe_config("tiny-cpu"), step).launch.local_addr is None
+    mine = load_recipe_config("tiny-cpu", ["launch.max_restarts=1", "launch.local_addr=ib0-node2"])
+    assert apply_allocation(mine, step).launch.local_addr == "ib0-node2"  # the user's choice wins
+
+
 def test_hybrid_shard_defaults_to_one_node(monkeypatch):
     from shardtune.model import build_model
     from shardtune.parallelize import sharding_policy

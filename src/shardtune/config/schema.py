@@ -153,6 +153,10 @@ class LaunchConfig:
     device: str = "auto"  # auto | cpu | cuda
     rdzv_endpoint: str | None = None  # host:port of the c10d rendezvous for multi-node (torchrun)
     node_rank: int | None = None
+    # This node's address as the other nodes reach it (torchrun --local-addr). It matters with restarts on: each
+    # attempt's store is then hosted on rank 0's node at this address (default: torchrun's socket.getfqdn(), which
+    # some clusters do not resolve between nodes). Inside a SLURM step it is filled in from the node's NodeAddr.
+    local_addr: str | None = None
     max_restarts: int = 0  # torchrun restarts a failed job this many times (it resumes from the latest checkpoint)
     threads_per_worker: int | None = None  # CPU: torch threads per worker (default: cores / workers)
 
