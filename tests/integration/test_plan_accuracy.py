@@ -1,5 +1,7 @@
 """`plan` vs the real trainer's measured peak (train.profile_memory=true, CPU tracker) over >= 12 configurations:
-world size 1/2/4 x strategy x precision x micro-batch x seq_len. Each prediction within +-10 % (bench goal: 5 %).
+world size 1/2/4 x strategy x precision x micro-batch x seq_len. Each prediction within +-5 %: the issue's
+contract is +-10 %, but the grid sits within +-1.7 % and the CPU tracker is deterministic, so 5 % catches
+regressions the looser bound would let through.
 
 One spawn per world size runs all its configurations through `shardtune.train.train` (see plan/accuracy.py).
 """
@@ -8,11 +10,11 @@ from __future__ import annotations
 from shardtune.plan.accuracy import default_grid, run
 
 
-def test_plan_predicts_measured_peak_within_10_percent(tmp_path) -> None:
+def test_plan_predicts_measured_peak_within_5_percent(tmp_path) -> None:
     cases = default_grid()
     assert len(cases) >= 12 and {c.world for c in cases} == {1, 2, 4}
     rows = run(cases, tmp_path)
     table = "\n".join(f"{r['name']:<34} predicted {r['predicted']:>11,} measured {r['measured']:>11,} "
                       f"{r['error']:+.1%}" for r in rows)
     print(table)
-    assert all(abs(r["error"]) <= 0.10 for r in rows), table
+    assert all(abs(r["error"]) <= 0.05 for r in rows), table
