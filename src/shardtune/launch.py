@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from shardtune.checkpoint.paths import explicit_resume_dir
 from shardtune.config.load import to_recipe, to_yaml
 from shardtune.config.schema import Recipe, check_world
 from shardtune.errors import UserError
@@ -46,6 +47,7 @@ def check_launch(recipe: Recipe) -> int:
     check_world(recipe.engine, nproc * recipe.launch.nnodes, nproc)
     if recipe.launch.nnodes > 1 and not recipe.launch.rdzv_endpoint:
         raise UserError("launch.nnodes > 1 needs launch.rdzv_endpoint=HOST:PORT (the first node's address)")
+    explicit_resume_dir(recipe.train.resume)  # a bad path fails here, not after the workers have started
     return nproc
 
 

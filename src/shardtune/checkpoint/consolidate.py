@@ -16,7 +16,7 @@ from peft import LoraConfig
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardtune.checkpoint.manager import TRAINER_FILE
+from shardtune.checkpoint.paths import TRAINER_FILE, require_complete
 from shardtune.errors import UserError
 from shardtune.lora import ADAPTER_WEIGHTS, save_adapter
 
@@ -30,9 +30,7 @@ def _read_tensor(ckpt: Path, key: str, meta: TensorStorageMetadata) -> torch.Ten
 def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024**3) -> list[Path]:
     if (ckpt / "latest").is_file():  # a checkpoints/ folder: take its newest
         ckpt = ckpt / (ckpt / "latest").read_text().strip()
-    if not (ckpt / TRAINER_FILE).is_file():
-        raise UserError(f"export: '{ckpt}' is not a complete checkpoint (no {TRAINER_FILE}): "
-                        "point it at <output_dir>/checkpoints/step_N")
+    require_complete(ckpt, "export", "point it at <output_dir>/checkpoints/step_N")
     info = json.loads((ckpt / TRAINER_FILE).read_text())
     shapes = json.loads((ckpt / "hf" / "params.json").read_text())
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata

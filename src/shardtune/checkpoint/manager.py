@@ -23,9 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from shardtune.errors import UserError
-
-TRAINER_FILE = "trainer.json"  # written last: its presence marks a complete checkpoint
+from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, is_complete
 
 
 def _fsync_tree(path: Path) -> None:
@@ -55,20 +53,12 @@ def _agree_ok(ok: bool) -> bool:
     return int(t) == 0
 
 
-def is_complete(d: Path) -> bool:
-    return (d / TRAINER_FILE).is_file()
-
-
 def find_resume_dir(output_dir: Path, resume: str, *, is_main: bool) -> Path | None:
     """`auto`: the newest complete checkpoint in output_dir (None if there is none); `none`: None; else a path."""
     if resume == "none":
         return None
     if resume != "auto":
-        d = Path(resume)
-        if not is_complete(d):
-            raise UserError(f"train.resume: '{resume}' is not a complete checkpoint (no {TRAINER_FILE}): "
-                            "point it at checkpoints/step_N or use train.resume=auto")
-        return d
+        return explicit_resume_dir(resume)
     root = output_dir / "checkpoints"
     if not root.is_dir():
         return None
