@@ -31,6 +31,7 @@ BAD_OVERRIDES = [
     (["launch.device=cuda"], "launch.device"),  # no GPU on the test machine
     (["model.init=pretrained"], "model.path"),  # conflicting options
     (["train.schedule=exp"], "train.schedule"),
+    (["train.resume=/nonexistent/step_5"], "train.resume"),  # not a complete checkpoint
     (["engine.wrap=[NoSuchLayer]"], None),  # checked when the model is built; validate accepts class names
 ]
 
