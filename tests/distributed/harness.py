@@ -1,8 +1,9 @@
-"""Spawn N gloo ranks and run one function over a grid of settings in one spawn (FSDP2's run_subtests pattern).
+"""Start N gloo ranks and run one function over a grid of settings in one start (FSDP2's run_subtests pattern).
 
-Start-up (spawn + imports + process group) costs a few seconds per spawn on this machine, so a test spawns once and
-loops over its settings inside. A failing rank raises with its traceback and the setting that failed; torch's
-spawn then terminates the other ranks (they would otherwise wait in a collective until the gloo timeout).
+Ranks fork from a preloaded server (below), and a test still starts its ranks once and loops over its settings
+inside: the process group and the model builds are paid once. A failing rank raises with its traceback and the
+setting that failed; torch then terminates the other ranks (they would otherwise wait in a collective until the
+gloo timeout).
 """
 from __future__ import annotations
 
@@ -46,9 +47,22 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., None]
         dist.destroy_process_group()
 
 
+# Ranks start from a forkserver that has imported these once per pytest session: a fresh interpreter spends
+# ~5 s importing torch + transformers, which 2-4 ranks on 2 cores pay at once for every spawn. The server only
+# imports (no torch op has run there, so no OpenMP pool is forked); each rank is a fresh fork of it.
+PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
+           "transformers.models.qwen2.modeling_qwen2", "peft", "shardtune.engine.shard", "shardtune.train",
+           "tests.distributed.common"]
+
+
 def run_distributed(fn: Callable[..., None], world_size: int, settings: list[dict[str, Any]] | None = None,
                     *, timeout_s: float = 120.0) -> None:
     """Run `fn(**s)` for each s in `settings` on `world_size` ranks. `fn` must be importable (module level)."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "store")
-        mp.spawn(_worker, args=(world_size, path, fn, settings or [{}], timeout_s), nprocs=world_size, join=True)
+        start_ranks(_worker, (world_size, os.path.join(tmp, "store"), fn, settings or [{}], timeout_s), world_size)
+
+
+def start_ranks(entry: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """`entry(rank, *args)` in `nprocs` processes forked from the preloaded server; raises if any rank fails."""
+    mp.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first call in this process)
+    mp.start_processes(entry, args=args, nprocs=nprocs, join=True, start_method="forkserver")

@@ -8,9 +8,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tests.distributed.common import adamw, build_model, policy_for, train_step
-from tests.distributed.harness import grid, run_distributed
+from tests.distributed.harness import grid, run_distributed, start_ranks
 
 from shardtune.engine.shard import shard_model
 
@@ -60,4 +59,4 @@ def _worker_entry(rank: int, port: int, run_dir: str) -> None:
 def test_worker_frees_its_process_group(tmp_path) -> None:
     from shardtune.runtime import _free_port
 
-    mp.spawn(_worker_entry, args=(_free_port(), str(tmp_path / "run")), nprocs=2, join=True)
+    start_ranks(_worker_entry, (_free_port(), str(tmp_path / "run")), 2)

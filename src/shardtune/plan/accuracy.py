@@ -5,7 +5,7 @@ Each configuration is a set of recipe overrides on a small Llama (written here, 
 states dominate fixed overheads). Measurement is the real trainer (`shardtune.train.train`) with
 `train.profile_memory=true`: rank 0 logs `peak_mem_bytes`, the max over ranks of the peak live tensor bytes in a
 step (CPU tracker, shardtune/memory.py); we take the max over the steps (step 1 allocates AdamW state, later steps
-hold it). Prediction is `plan` on the same recipe. One process spawn per world size runs all its configurations
+hold it). Prediction is `plan` on the same recipe. One process group per world size runs all its configurations
 (start-up dominates on small machines).
 """
 from __future__ import annotations
@@ -115,9 +115,13 @@ def measure(cases: list[Case], workdir: Path) -> list[int]:
     by_world: dict[int, list[int]] = {}
     for i, c in enumerate(cases):
         by_world.setdefault(c.world, []).append(i)
+    # Ranks fork from a server that imported torch + transformers once (no torch op runs there): a spawned rank
+    # re-imports them, ~5 s each, which 4 ranks on 2 cores pay at once. The measurement is the same either way.
+    mp.set_forkserver_preload(["torch", "transformers", "transformers.models.llama.modeling_llama", "shardtune.train"])
     for world, idx in by_world.items():
         jobs = [recipe_overrides(cases[i], workdir, i) for i in idx]
-        mp.spawn(_worker, args=(world, _free_port(), jobs), nprocs=world, join=True)
+        mp.start_processes(_worker, args=(world, _free_port(), jobs), nprocs=world, join=True,
+                           start_method="forkserver")
     out = []
     for i in range(len(cases)):
         run_dir = workdir / f"run{i}"
