@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from shardtune import runtime
 
 
 class RankFailure(RuntimeError):
@@ -47,11 +48,8 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., None]
         dist.destroy_process_group()
 
 
-# Ranks start from a forkserver that has imported these once per pytest session: a fresh interpreter spends
-# ~5 s importing torch + transformers, which 2-4 ranks on 2 cores pay at once for every spawn. The server only
-# imports (no torch op has run there, so no OpenMP pool is forked); each rank is a fresh fork of it.
-PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
-           "transformers.models.qwen2.modeling_qwen2", "peft", "shardtune.engine.shard", "shardtune.train",
+# What the forkserver imports once per pytest process (runtime.start_local_ranks), beyond the product's list.
+PRELOAD = [*runtime.PRELOAD, "transformers.models.qwen2.modeling_qwen2", "peft", "shardtune.engine.shard",
            "tests.distributed.common"]
 
 
@@ -64,5 +62,4 @@ def run_distributed(fn: Callable[..., None], world_size: int, settings: list[dic
 
 def start_ranks(entry: Callable[..., None], args: tuple, nprocs: int) -> None:
     """`entry(rank, *args)` in `nprocs` processes forked from the preloaded server; raises if any rank fails."""
-    mp.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first call in this process)
-    mp.start_processes(entry, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    runtime.start_local_ranks(entry, args, nprocs, preload=PRELOAD)

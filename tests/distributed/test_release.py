@@ -57,6 +57,6 @@ def _worker_entry(rank: int, port: int, run_dir: str) -> None:
 
 
 def test_worker_frees_its_process_group(tmp_path) -> None:
-    from shardtune.runtime import _free_port
+    from shardtune.runtime import free_port
 
-    start_ranks(_worker_entry, (_free_port(), str(tmp_path / "run")), 2)
+    start_ranks(_worker_entry, (free_port(), str(tmp_path / "run")), 2)

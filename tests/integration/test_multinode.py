@@ -6,8 +6,7 @@ same; only the launcher topology differs.
 """
 from __future__ import annotations
 
-import socket
-
+from shardtune.runtime import free_port
 from tests.integration.multinode_common import (
     MAX_STEPS,
     assert_same_losses,
@@ -17,17 +16,11 @@ from tests.integration.multinode_common import (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_match_one_node(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     tmp = tmp_path_factory.mktemp("multinode")
     run = tmp / "run"  # one run directory, as on a shared filesystem; rank 0 writes metrics.jsonl
-    endpoint = f"launch.rdzv_endpoint=127.0.0.1:{_free_port()}"
+    endpoint = f"launch.rdzv_endpoint=127.0.0.1:{free_port()}"
     nodes = [run_train(run, "launch.nnodes=2", endpoint, "launch.nproc_per_node=1", f"launch.node_rank={r}",
                        cwd=tmp) for r in (0, 1)]
     try:

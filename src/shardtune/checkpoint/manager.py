@@ -55,10 +55,8 @@ def _agree_ok(ok: bool) -> bool:
 
 def find_resume_dir(output_dir: Path, resume: str, *, is_main: bool) -> Path | None:
     """`auto`: the newest complete checkpoint in output_dir (None if there is none); `none`: None; else a path."""
-    if resume == "none":
-        return None
     if resume != "auto":
-        return explicit_resume_dir(resume)
+        return explicit_resume_dir(resume)  # None for "none"
     root = output_dir / "checkpoints"
     if not root.is_dir():
         return None

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch.multiprocessing as mp
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 256,
          "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -103,25 +100,17 @@ def _worker(rank: int, world: int, port: int, jobs: list[list[str]]) -> None:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(cases: list[Case], workdir: Path) -> list[int]:
     """Max over steps of peak_mem_bytes for each case; one spawn per world size."""
     (workdir / "model.json").write_text(json.dumps(MODEL))
     by_world: dict[int, list[int]] = {}
     for i, c in enumerate(cases):
         by_world.setdefault(c.world, []).append(i)
-    # Ranks fork from a server that imported torch + transformers once (no torch op runs there): a spawned rank
-    # re-imports them, ~5 s each, which 4 ranks on 2 cores pay at once. The measurement is the same either way.
-    mp.set_forkserver_preload(["torch", "transformers", "transformers.models.llama.modeling_llama", "shardtune.train"])
+    from shardtune.runtime import free_port, start_local_ranks
+
     for world, idx in by_world.items():
         jobs = [recipe_overrides(cases[i], workdir, i) for i in idx]
-        mp.start_processes(_worker, args=(world, _free_port(), jobs), nprocs=world, join=True,
-                           start_method="forkserver")
+        start_local_ranks(_worker, (world, free_port(), jobs), world)  # forked ranks measure what spawned ones do
     out = []
     for i in range(len(cases)):
         run_dir = workdir / f"run{i}"

@@ -249,6 +249,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                 "gathered": held + offload_copy, "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
                 + bsh + 2 * bsi}
     static = {"params": dev_params, "optimizer": dev_opt, "buffers": buffers}
+    after_last_grad = {"gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
+                       "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)}
     phases: dict[str, dict[str, int]] = {
         "forward-loss": {**static, "grads": grads_prev, "gathered": held_fwd + offload_copy,
                          "activations": acts + ce_fwd},
@@ -263,12 +265,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                              default={**static, "grads": 0, "gathered": 0, "activations": 0}),
         # The engine frees a unit's gathered buffer at its last parameter grad, before autograd cats the flat
         # grad (engine/unit.py _on_param_grad): the cat and the reduce run without it (unless aliased at W=1).
-        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat,
-                         "gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
-                         "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)},
-        "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red,
-                        "gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
-                        "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)},
+        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat, **after_last_grad},
+        "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red, **after_last_grad},
         "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat,
                          "gathered": (gathered(root) if aliased_units else 0) + offload_copy, "activations": 0},
         "root-reduce": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_red,
