@@ -72,7 +72,6 @@ def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: t
     # chunks are described on the first group's ranks, the only ones that hold them.
     first_rank = rank - shard_rank if for_load else 0
     out: dict[str, Any] = {}
-    step = None
     for unit in units:
         for flat in unit.flats:
             if not flat.requires_grad:
@@ -87,7 +86,6 @@ def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: t
                     for _, a, b, seg in flat.segments:
                         if a <= s_start < b:
                             st = optimizer.state[seg]
-                            step = st["step"]
                             local_opt[i] = {k: st[k][s_start - a:s_start - a + n] for k in OPTIM_KEYS}
             for i, slot in enumerate(flat.slots):
                 out[f"model.{slot.name}"] = _sharded(flat, i, local_model.get(i), shard_rank, dev, first_rank)
@@ -98,9 +96,13 @@ def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: t
         out[f"replicated.{name}"] = p.data
         st = optimizer.state.get(p)
         if st:
-            step = st["step"]
             for k in OPTIM_KEYS:
                 out[f"replicated_optim.{name}.{k}"] = st[k]
+    # Every rank steps every parameter the same number of times: take the counter from any state this rank has,
+    # owner of chunks or not. (A replica that wrote 0 here could be the copy DCP keeps of this replicated key, and a
+    # resume would restart AdamW's bias correction at step 0: the bug this replaced.)
+    states = [optimizer.state[p] for g in optimizer.param_groups for p in g["params"]]
+    step = next((st["step"] for st in states if "step" in st), None)
     out["optim.step"] = step.clone() if step is not None else torch.tensor(0.0)
     return out
 
