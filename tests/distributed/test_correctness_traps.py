@@ -66,6 +66,21 @@ def _sharded_init(lora: bool) -> None:
             assert torch.equal(t, expected), name
 
 
+# -- bf16 masters -----------------------------------------------------------------------------------------------------
+def _bf16_masters() -> None:
+    """The engine refuses 16-bit trainable shards (they are the AdamW masters); a bf16 LoRA base is fine and its
+    adapters, the only trainable tensors, are stepped in fp32."""
+    model = build_model("tiny-llama").to(torch.bfloat16)
+    with pytest.raises(UserError, match="master weights"):
+        shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()), device=CPU)
+    recipe = load_recipe("tiny-cpu", ["model.dtype=bf16", "lora.enabled=true"])
+    model = build_recipe_model(recipe.model, seed=0, sharded_init=True)
+    sharded = parallelize(model, recipe, device=CPU, world_size=dist.get_world_size())
+    params = [p for g in sharded.optimizer_param_groups(0.0) for p in g["params"]]
+    assert params and all(p.dtype == torch.float32 for p in params)
+    assert {f.dtype for u in sharded.units for f in u.flats} == {torch.bfloat16}  # the frozen base
+
+
 # -- start-up checksum ------------------------------------------------------------------------------------------------
 def _mismatch() -> None:
     model = build_model("tiny-llama")
@@ -183,11 +198,12 @@ def _generate(backend: str) -> None:
 
 
 def _all(kind: str, **kw) -> None:
-    {"init": _sharded_init, "mismatch": _mismatch, "resume": _resume, "generate": _generate}[kind](**kw)
+    {"init": _sharded_init, "mismatch": _mismatch, "resume": _resume, "generate": _generate,
+     "bf16": _bf16_masters}[kind](**kw)
 
 
 def test_traps_1_rank() -> None:
-    run_distributed(_all, 1, [dict(kind="init", lora=False)])
+    run_distributed(_all, 1, [dict(kind="init", lora=False), dict(kind="bf16")])
 
 
 def test_traps_2_ranks() -> None:
