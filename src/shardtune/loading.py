@@ -22,6 +22,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 
+from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
 from shardtune.errors import UserError
 
 INDEX = "model.safetensors.index.json"
@@ -109,6 +110,18 @@ def load_into_shards(flats: list[Any], module: nn.Module, path: Path) -> None:
                 flat.shard[s_start:s_start + n].copy_(piece)  # casts to the shard's dtype
                 del piece
         ckpt.load_buffers(module)
+        # Each rank read different pieces, so the pieces cannot be compared; a sample can: the first row of every
+        # weight, the same on every rank when every node points model.path at the same files (a few KB read per
+        # weight, one all-gather). A node holding another checkpoint of the same architecture is caught here.
+        keys = sorted({checkpoint_key(s.name) for f in flats for s in f.slots})
+        sample = checksum(_first_row(ckpt.handle(k), k) for k in keys)
+        if flats:
+            check_same_on_all_ranks([(f"model.path '{path}' (first row of each weight)", sample)], flats[0].device)
+
+
+def _first_row(handle: Any, key: str) -> torch.Tensor:
+    sl = handle.get_slice(key)
+    return sl[0:1] if sl.get_shape() else sl[:]
 
 
 def load_full(module: nn.Module, path: Path, device: torch.device) -> None:

@@ -1,7 +1,8 @@
 """Issue-13 correctness traps, one spawn per world size:
 - random init drawn shard by shard: the same weights at world 1, 2 and 4 as the whole-model init, and a rank's peak
   while building stays at its shards + one unit (never the model);
-- a rank whose initial weights differ is a clear error on every rank (start-up checksum), not a hang;
+- a rank whose initial weights differ (its own init, another seed, other checkpoint files) is a clear error on
+  every rank (start-up checksum), not a hang;
 - resume under CPU offload with replicas (no_shard, hybrid 2x2) is exact and sends no engine state through a
   collective (on NCCL a host tensor cannot be sent);
 - sharded generation where ranks stop at different steps finishes (synced_gpus), both backends, and equals
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from tests.distributed.common import adamw, build_model, global_batch, policy_for, train_step
 from tests.distributed.harness import run_distributed
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.checkpoint.manager import CheckpointManager, load
 from shardtune.config.load import load_recipe
@@ -27,7 +29,7 @@ from shardtune.engine.fingerprint import MIN_CHUNK
 from shardtune.engine.shard import shard_model
 from shardtune.errors import UserError
 from shardtune.evaluate import generate
-from shardtune.loading import checkpoint_key
+from shardtune.loading import build_empty, checkpoint_key, load_into_shards
 from shardtune.memory import CpuMemoryTracker
 from shardtune.model import build_model as build_recipe_model
 from shardtune.parallelize import parallelize
@@ -82,7 +84,7 @@ def _bf16_masters() -> None:
 
 
 # -- start-up checksum ------------------------------------------------------------------------------------------------
-def _mismatch() -> None:
+def _mismatch(root: str) -> None:
     model = build_model("tiny-llama")
     if dist.get_rank() == 1:  # one rank's init differs by one element of one unit
         with torch.no_grad():
@@ -94,6 +96,18 @@ def _mismatch() -> None:
     meta = build_recipe_model(recipe.model, seed=recipe.train.seed, sharded_init=True)
     with pytest.raises(UserError, match=r"model\.layers\.0'.*differ"):
         parallelize(meta, recipe, device=CPU, world_size=dist.get_world_size())
+    # Pretrained: a rank whose model.path holds another checkpoint of the same architecture (another node's copy).
+    paths = [Path(root) / f"ckpt{seed}" for seed in (3, 4)]
+    if dist.get_rank() == 0:
+        for seed, path in zip((3, 4), paths, strict=True):
+            build_model("tiny-llama", seed=seed).save_pretrained(path)
+    dist.barrier()
+    for mine, match in ((paths[dist.get_rank()], r"model\.path.*differ"), (paths[0], None)):
+        model = build_empty(lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(paths[0])))
+        sharded = shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()), device=CPU)
+        flats = [f for u in sharded.units for f in u.flats]
+        with pytest.raises(UserError, match=match) if match else contextlib.nullcontext():
+            load_into_shards(flats, model, mine)
     # Equal builds pass (the check is not a blanket failure).
     model = build_model("tiny-llama")
     shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()), device=CPU)
@@ -209,7 +223,7 @@ def test_traps_1_rank() -> None:
 def test_traps_2_ranks() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_distributed(_all, 2, [dict(kind="init", lora=False), dict(kind="init", lora=True),
-                                  dict(kind="mismatch"), dict(kind="resume", strategy="no_shard", root=tmp),
+                                  dict(kind="mismatch", root=tmp), dict(kind="resume", strategy="no_shard", root=tmp),
                                   dict(kind="generate", backend="shardtune"), dict(kind="generate", backend="torch")],
                         timeout_s=60)
 
