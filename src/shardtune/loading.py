@@ -22,7 +22,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 
-from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
+from shardtune.engine.fingerprint import Hasher, check_same_on_all_ranks
 from shardtune.errors import UserError
 
 INDEX = "model.safetensors.index.json"
@@ -110,18 +110,25 @@ def load_into_shards(flats: list[Any], module: nn.Module, path: Path) -> None:
                 flat.shard[s_start:s_start + n].copy_(piece)  # casts to the shard's dtype
                 del piece
         ckpt.load_buffers(module)
-        # Each rank read different pieces, so the pieces cannot be compared; a sample can: the first row of every
-        # weight, the same on every rank when every node points model.path at the same files (a few KB read per
-        # weight, one all-gather). A node holding another checkpoint of the same architecture is caught here.
-        keys = sorted({checkpoint_key(s.name) for f in flats for s in f.slots})
-        sample = checksum(_first_row(ckpt.handle(k), k) for k in keys)
-        if flats:
-            check_same_on_all_ranks([(f"model.path '{path}' (first row of each weight)", sample)], flats[0].device)
+        _check_same_files(ckpt, sorted({checkpoint_key(s.name) for f in flats for s in f.slots}),
+                          flats[0].device if flats else torch.device("cpu"))
 
 
-def _first_row(handle: Any, key: str) -> torch.Tensor:
-    sl = handle.get_slice(key)
-    return sl[0:1] if sl.get_shape() else sl[:]
+def _check_same_files(ckpt: CheckpointFiles, keys: list[str], device: torch.device) -> None:
+    """Each rank read different pieces, so the pieces cannot be compared; a sample can: the shape and dtype of every
+    weight and the values of the 1-D ones (norms, biases: small, and a fine-tune changes them). Equal on every rank
+    when every node points model.path at the same checkpoint; another checkpoint of the same architecture (a base vs
+    an instruct model on one node) is caught; checkpoints that differ only in matrices are not (reading a row of
+    each would hold a whole tensor's storage per row: safetensors slices are views of it). Cost: a read of the 1-D
+    weights, one at a time; one all-gather."""
+    h = Hasher()
+    for k in keys:
+        sl = ckpt.handle(k).get_slice(k)
+        shape = sl.get_shape()
+        h.note(f"{k}:{shape}:{sl.get_dtype()}")
+        if len(shape) <= 1:
+            h.update(sl[:])
+    check_same_on_all_ranks([(f"model.path '{ckpt.path}' (shapes and 1-D weights)", h.value())], device)
 
 
 def load_full(module: nn.Module, path: Path, device: torch.device) -> None:

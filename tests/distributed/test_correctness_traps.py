@@ -96,11 +96,15 @@ def _mismatch(root: str) -> None:
     meta = build_recipe_model(recipe.model, seed=recipe.train.seed, sharded_init=True)
     with pytest.raises(UserError, match=r"model\.layers\.0'.*differ"):
         parallelize(meta, recipe, device=CPU, world_size=dist.get_world_size())
-    # Pretrained: a rank whose model.path holds another checkpoint of the same architecture (another node's copy).
-    paths = [Path(root) / f"ckpt{seed}" for seed in (3, 4)]
+    # Pretrained: a rank whose model.path holds another checkpoint of the same architecture (another node's copy of
+    # a fine-tune of it: its norms moved).
+    paths = [Path(root) / name for name in ("base", "tuned")]
     if dist.get_rank() == 0:
-        for seed, path in zip((3, 4), paths, strict=True):
-            build_model("tiny-llama", seed=seed).save_pretrained(path)
+        model = build_model("tiny-llama", seed=3)
+        model.save_pretrained(paths[0])
+        with torch.no_grad():
+            model.model.layers[1].post_attention_layernorm.weight.mul_(1.01)
+        model.save_pretrained(paths[1])
     dist.barrier()
     for mine, match in ((paths[dist.get_rank()], r"model\.path.*differ"), (paths[0], None)):
         model = build_empty(lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(paths[0])))

@@ -51,6 +51,10 @@ class Hasher:
             sums.append(int(xs.mul_(ws).remainder_(_P).sum()))  # < 2^31 * chunk: no overflow below 2^32 elements
         self._h.update(",".join(map(str, sums)).encode())
 
+    def note(self, text: str) -> None:
+        """Mix in a description (a key, a shape, a dtype name)."""
+        self._h.update(text.encode() + b";")
+
     def value(self) -> int:
         return int.from_bytes(self._h.digest(), "little") >> 1  # 63 bits: fits a signed int64 tensor
 

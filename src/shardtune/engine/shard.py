@@ -179,7 +179,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     unit_params = group_unit_params(module, policy)  # layout.py: shared with `plan`; raises the UserErrors
     _check_master_dtype(unit_params)
     # Each rank cuts its shard from the full model it built: check that all ranks built the same (fingerprint.py).
-    # Meta parameters are filled later (loading.py, init.py), which check what they fill.
+    # Meta parameters are filled later (loading.py, seeded_init.py), which check what they fill.
     paths = {id(m): n for n, m in module.named_modules()}
     check_same_on_all_ranks(
         [(_unit_name(paths[id(up.module)]), checksum(p for g, _, _ in up.flat_groups() for _, p, _ in g
