@@ -16,6 +16,7 @@ not the same stream) inside `fork_rng`: the global RNG is left as it was.
 from __future__ import annotations
 
 import hashlib
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
