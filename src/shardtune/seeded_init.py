@@ -83,28 +83,31 @@ def init_full(model: nn.Module, *, seed: int, dtype: torch.dtype, device: torch.
 
 
 def _fill_unit(model: nn.Module, unit, *, seed: int, dtype: torch.dtype, hasher: Hasher) -> None:
+    """One module at a time, over all of the unit's flat buffers (a module's parameters may sit in two: trainable
+    and frozen), so each module is drawn once, whole, exactly as `init_full` draws it."""
+    where: dict[str, tuple] = {}  # canonical name -> (flat, slot, [(start in param, start in shard, length)])
     for flat in unit.flats:
-        slot_index = {s.name: i for i, s in enumerate(flat.slots)}
-        mine: dict[int, list[tuple[int, int, int]]] = {}
+        for slot in flat.slots:
+            where[slot.name] = (flat, slot, [])
         for i, p_start, s_start, n in flat.pieces():
-            mine.setdefault(i, []).append((p_start, s_start, n))
-        for path, attrs in _by_module([s.name for s in flat.slots]).items():
-            module = model.get_submodule(path)
-            assert not any(a in module._parameters for a in attrs), "the engine removed the sharded parameters"
-            fresh = {a: nn.Parameter(torch.empty(flat.slots[slot_index[_join(path, a)]].shape, dtype=dtype),
-                                     requires_grad=False) for a in attrs}
-            module._parameters.update(fresh)  # what _init_weights reads and writes, for this module only
-            try:
-                init_module(model, path, module, seed=seed)
-            finally:
-                for a in attrs:
-                    del module._parameters[a]
-            for a, t in fresh.items():
-                i = slot_index[_join(path, a)]
-                for p_start, s_start, n in mine.get(i, []):
-                    flat.shard[s_start:s_start + n].copy_(t.reshape(-1)[p_start:p_start + n])  # casts (bf16 base)
-                hasher.update(t)  # the full module, before it is freed: what every rank must agree on
-            del fresh
+            where[flat.slots[i].name][2].append((p_start, s_start, n))
+    for path, attrs in _by_module(list(where)).items():
+        module = model.get_submodule(path)
+        assert not any(a in module._parameters for a in attrs), "the engine removed the sharded parameters"
+        fresh = {a: nn.Parameter(torch.empty(where[_join(path, a)][1].shape, dtype=dtype), requires_grad=False)
+                 for a in attrs}
+        module._parameters.update(fresh)  # what _init_weights reads and writes, for this module only
+        try:
+            init_module(model, path, module, seed=seed)
+        finally:
+            for a in attrs:
+                del module._parameters[a]
+        for a, t in fresh.items():
+            flat, _, pieces = where[_join(path, a)]
+            for p_start, s_start, n in pieces:
+                flat.shard[s_start:s_start + n].copy_(t.reshape(-1)[p_start:p_start + n])  # casts (bf16 base)
+            hasher.update(t)  # the full module, before it is freed: what every rank must agree on
+        del fresh
 
 
 def _join(path: str, attr: str) -> str:
