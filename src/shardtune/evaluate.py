@@ -50,7 +50,8 @@ def eval_loss(model: nn.Module, rows: Rows, rt: Runtime, *, micro_batch_size: in
 def exact_match(model: nn.Module, tok: PreTrainedTokenizerBase, samples: list[dict[str, Any]], rt: Runtime,
                 *, max_new_tokens: int = 10) -> float:
     """Greedy-decode each prompt; a sample counts when the text before EOS equals the response exactly.
-    All ranks decode the same prompts (identical weights after gathering, so they stop at the same step)."""
+    All ranks decode the same prompts, but nothing guarantees they stop at the same step (bf16 kernels may break a
+    tie differently): `generate` keeps the ranks in lockstep."""
     if not samples:
         return float("nan")
     was_training = model.training
@@ -58,10 +59,18 @@ def exact_match(model: nn.Module, tok: PreTrainedTokenizerBase, samples: list[di
     tok.padding_side = "left"  # decoder-only batched generation pads on the left
     prompts = [(tok.bos_token or "") + s["prompt"] for s in samples]
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(rt.device)
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id)
+    out = generate(model, rt.world_size, **enc, max_new_tokens=max_new_tokens, do_sample=False,
+                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
     correct = sum(t.split(tok.eos_token or "\0")[0].replace(tok.pad_token or "\0", "") == s["response"]
                   for t, s in zip(texts, samples))
     model.train(was_training)
     return correct / len(samples)
+
+
+def generate(model: nn.Module, world_size: int, **kwargs: Any) -> torch.Tensor:
+    """`model.generate` on a sharded model (either backend). Every forward gathers parameters with collectives, so a
+    rank that stops decoding early (EOS or its own max_new_tokens) would leave the others waiting in an all-gather
+    for good. `synced_gpus=True` makes HF keep finished ranks running dummy forwards until every rank is done (one
+    all-reduce of a flag per token); the outputs are what each rank alone would produce."""
+    return model.generate(**kwargs, synced_gpus=world_size > 1)

@@ -22,6 +22,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 
+from shardtune.engine.fingerprint import Hasher, check_same_on_all_ranks
 from shardtune.errors import UserError
 
 INDEX = "model.safetensors.index.json"
@@ -109,6 +110,25 @@ def load_into_shards(flats: list[Any], module: nn.Module, path: Path) -> None:
                 flat.shard[s_start:s_start + n].copy_(piece)  # casts to the shard's dtype
                 del piece
         ckpt.load_buffers(module)
+        _check_same_files(ckpt, sorted({checkpoint_key(s.name) for f in flats for s in f.slots}),
+                          flats[0].device if flats else torch.device("cpu"))
+
+
+def _check_same_files(ckpt: CheckpointFiles, keys: list[str], device: torch.device) -> None:
+    """Each rank read different pieces, so the pieces cannot be compared; a sample can: the shape and dtype of every
+    weight and the values of the 1-D ones (norms, biases: small, and a fine-tune changes them). Equal on every rank
+    when every node points model.path at the same checkpoint; another checkpoint of the same architecture (a base vs
+    an instruct model on one node) is caught; checkpoints that differ only in matrices are not (reading a row of
+    each would hold a whole tensor's storage per row: safetensors slices are views of it). Cost: a read of the 1-D
+    weights, one at a time; one all-gather."""
+    h = Hasher()
+    for k in keys:
+        sl = ckpt.handle(k).get_slice(k)
+        shape = sl.get_shape()
+        h.note(f"{k}:{shape}:{sl.get_dtype()}")
+        if len(shape) <= 1:
+            h.update(sl[:])
+    check_same_on_all_ranks([(f"model.path '{ckpt.path}' (shapes and 1-D weights)", h.value())], device)
 
 
 def load_full(module: nn.Module, path: Path, device: torch.device) -> None:

@@ -17,6 +17,7 @@ from shardtune.config.schema import ModelConfig
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.errors import UserError
 from shardtune.loading import build_empty
+from shardtune.seeded_init import init_full
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -32,21 +33,22 @@ def load_config(cfg: ModelConfig) -> PretrainedConfig:
                         "point it at a config.json or a checkpoint folder") from None
 
 
-def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> PreTrainedModel:
-    """Random init is seeded, so every rank builds identical weights before sharding. Pretrained: parameters on
-    the meta device, buffers real; `parallelize` fills them (each rank reads only its shard)."""
+def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu",
+                sharded_init: bool = False) -> PreTrainedModel:
+    """Parameters on the meta device, buffers real, when `parallelize` fills them shard by shard: pretrained (each
+    rank reads only its shard from the files) or `sharded_init` (each rank draws only its shard). Otherwise a full
+    model on `device`. Random init is seeded per module (seeded_init.py): the same weights whether drawn whole here
+    or shard by shard at any world size."""
     hf_config = load_config(cfg)
     dtype = DTYPES[cfg.dtype]
-    if cfg.init == "pretrained":
-        if not any(Path(cfg.path).glob("*.safetensors")):  # type: ignore[arg-type]
-            raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
-        # Parameters on meta (no bytes); parallelize loads each rank's shard from the files (loading.py).
-        return build_empty(lambda: AutoModelForCausalLM.from_config(
-            hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation))
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)
-    return model
+    if cfg.init == "pretrained" and not any(Path(cfg.path).glob("*.safetensors")):  # type: ignore[arg-type]
+        raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
+    model = build_empty(lambda: AutoModelForCausalLM.from_config(
+        hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation))
+    if cfg.init == "pretrained" or sharded_init:
+        return model
+    init_full(model, seed=seed, dtype=dtype, device=device)
+    return model.to(device)  # the buffers (parameters are there already)
 
 
 def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

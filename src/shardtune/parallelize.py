@@ -20,6 +20,7 @@ from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.wrap import resolve_unit_classes
 from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora, is_adapter
+from shardtune.seeded_init import init_full, init_into_shards
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -69,19 +70,26 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
         apply_activation_checkpointing(model, policy.unit_classes, every_k=1 if ac is True else int(ac),
                                        min_unit_params=policy.min_unit_params)
     # 3. Shard last: it flattens parameters into per-unit buffers (anything after would see views, not parameters).
-    #    model.init=pretrained: parameters are on meta until here; our engine fills each rank's shards from the files.
+    #    Parameters still on meta (model.init=pretrained, or a random init built with sharded_init) are filled here:
+    #    our engine fills each rank's shards only (from the files, or drawn one module at a time).
     pretrained = Path(recipe.model.path) if recipe.model.init == "pretrained" else None
+    random_meta = pretrained is None and any(p.is_meta for p in model.parameters())
+    init_dtype = DTYPES[recipe.model.dtype]
     if engine.backend == "torch":
         from shardtune.engine import torch_backend
 
         if pretrained is not None:
             load_full(model, pretrained, device)  # FSDP2 path: every rank reads the whole model, then shards
+        elif random_meta:
+            init_full(model, seed=recipe.train.seed, dtype=init_dtype, device=device)  # whole, then sharded
         return torch_backend.shard_model(model, policy, device=device)
     from shardtune.engine import shard
 
     sharded = shard.shard_model(model, policy, device=device)
     if pretrained is not None:
         load_into_shards([f for u in sharded.units for f in u.flats], sharded.module, pretrained)
+    elif random_meta:
+        init_into_shards(sharded.units, sharded.module, seed=recipe.train.seed, dtype=init_dtype, device=device)
     return sharded
 
 

@@ -107,7 +107,7 @@ def setup(recipe: Recipe) -> Run:
     cfg = recipe.train
     tok = build_tokenizer(recipe.model)
     data = build_data(recipe.data, tok, seed=cfg.seed)
-    model = build_model(recipe.model, seed=cfg.seed, device=rt.device)
+    model = build_model(recipe.model, seed=cfg.seed, device=rt.device, sharded_init=True)  # filled by parallelize
     shapes = param_shapes(model)
     sharded = parallelize(model, recipe, device=rt.device, world_size=rt.world_size)
     host_states = rt.device.type == "cpu" or recipe.engine.cpu_offload
@@ -175,7 +175,7 @@ def resume(run: Run) -> int:
     found = ckpt.find_resume_dir(run.run_dir, run.recipe.train.resume, is_main=run.rt.is_main)
     if found is None:
         return 0
-    state = run.sharded.checkpoint_state(run.optimizer)
+    state = run.sharded.checkpoint_state(run.optimizer, for_load=True)
     step = ckpt.manager.load(found, state, run.scheduler, rank=run.rt.rank, world_size=run.rt.world_size)
     run.sharded.load_checkpoint_state(state, run.optimizer)
     if run.rt.is_main:

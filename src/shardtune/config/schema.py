@@ -22,7 +22,10 @@ class ModelConfig:
     path: str | None = None  # local HF checkpoint dir (config + safetensors [+ tokenizer])
     tokenizer: str | None = None  # local tokenizer dir/file; default: model.path
     init: str = "random"  # random | pretrained
-    dtype: str = "fp32"  # fp32 | bf16: dtype the weights are built in before sharding
+    # fp32 | bf16: dtype the weights are built (and, for a frozen base, stored) in. The engine's master weights,
+    # gradients and AdamW state take the trainable parameters' dtype, so bf16 is only for LoRA (frozen bf16 base,
+    # fp32 adapters); full fine-tuning in bf16 is an error: use fp32 + engine.mixed_precision=bf16 (bf16 compute).
+    dtype: str = "fp32"
     attn_implementation: str = "sdpa"  # sdpa | eager
 
     def __post_init__(self) -> None:
@@ -207,5 +210,10 @@ class Recipe:
         else:
             _check(m.config is not None or m.path is not None, "model.config",
                    "init=random needs model.config=FILE.json (or model.path=DIR with a config.json)")
+        # bf16 masters would lose every update smaller than bf16's resolution (~0.4% of the weight): AdamW steps at
+        # lr 1e-5 vanish. Mixed precision gives the same bf16 compute and all-gather bytes with fp32 masters.
+        _check(m.dtype == "fp32" or self.lora.enabled, "model.dtype",
+               "bf16 with full fine-tuning would make master weights, gradients and AdamW state bf16: use "
+               "model.dtype=fp32 with engine.mixed_precision=bf16 (bf16 compute, fp32 masters), or lora.enabled=true")
         _check(self.data.path is not None, "data.path",
                "not set: give a jsonl/json/parquet/txt file or folder, a saved dataset dir, or builtin:reverse")

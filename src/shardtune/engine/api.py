@@ -73,9 +73,10 @@ class ShardedModel(Protocol):
         """Collective. Yields (original name, full CPU tensor) on rank 0, unit by unit; other ranks yield nothing.
         Names are the original module's parameter names (as in named_parameters()), trainable and frozen."""
 
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> dict[str, Any]:
         """This rank's part of a resumable checkpoint (model + optimizer), as a dict `torch.distributed.checkpoint`
-        saves and loads in place. Keys follow the original parameter names."""
+        saves and loads in place. Keys follow the original parameter names. `for_load`: the dict to load into
+        (replicas may describe their chunks differently than for a save)."""
 
     def load_checkpoint_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """Finish a load after `dcp.load(state)` filled the dict returned by `checkpoint_state`."""

@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
 from shardtune.engine.collectives import all_gather_into, all_reduce_
+from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
 from shardtune.engine.flat_param import FlatParam
 from shardtune.engine.layout import group_unit_params, replicated_params
 from shardtune.engine.replicated import ReplicatedParams
@@ -119,19 +120,34 @@ class ShardtuneModel:
                 del full
 
     # -- checkpoints (see state_dict.py): per-original-parameter keys, loadable at another world size ---------------
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> dict[str, Any]:
         from shardtune.engine import state_dict
 
         shard_rank = 0 if self.ctx.shard_group is None else dist.get_rank(self.ctx.shard_group)
         return state_dict.checkpoint_state(self.units, shard_rank, group_size(self.ctx.shard_group), optimizer,
-                                           self.module)
+                                           self.module, for_load=for_load)
 
     def load_checkpoint_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        """After `dcp.load(state)` filled the chunks in place: step counters, replicas."""
+        """After `dcp.load(state)` filled the chunks in place (state from `checkpoint_state(for_load=True)`)."""
         from shardtune.engine import state_dict
 
-        state_dict.after_load(state, self.units, group_size(self.ctx.shard_group), self.ctx.replicate_group,
-                              optimizer)
+        state_dict.after_load(state, optimizer)
+
+
+def _unit_name(path: str) -> str:
+    return f"unit '{path}'" if path else "the root unit (embeddings, final norm, head)"
+
+
+def _check_master_dtype(unit_params: list) -> None:
+    """The shard of a trainable buffer is the master copy (AdamW steps it, its gradient accumulates in its dtype):
+    a 16-bit one would silently train in bf16. Mixed precision gives bf16 compute with fp32 masters."""
+    for up in unit_params:
+        for entries, grad, _ in up.flat_groups():
+            dtype = entries[0][1].dtype
+            if grad and dtype.is_floating_point and dtype.itemsize < 4:
+                raise UserError(f"model: trainable parameters in {dtype} would make master weights, gradients and "
+                                "AdamW state that dtype: build the model in fp32 (model.dtype=fp32) and compute in "
+                                "bf16 with engine.mixed_precision=bf16")
 
 
 def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -161,6 +177,15 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     compute = policy.mixed_precision.param_dtype
     units: list[Unit] = []
     unit_params = group_unit_params(module, policy)  # layout.py: shared with `plan`; raises the UserErrors
+    _check_master_dtype(unit_params)
+    # Each rank cuts its shard from the full model it built: check that all ranks built the same (fingerprint.py).
+    # Meta parameters are filled later (loading.py, seeded_init.py), which check what they fill.
+    paths = {id(m): n for n, m in module.named_modules()}
+    check_same_on_all_ranks(
+        [(_unit_name(paths[id(up.module)]), checksum(p for g, _, _ in up.flat_groups() for _, p, _ in g
+                                                      if not p.is_meta)) for up in unit_params]
+        + [("buffers", checksum(module.buffers())), ("replicated parameters (LoRA adapters)",
+                                                    checksum(p for _, p in replicated))], device)
     for i, up in enumerate(unit_params):
         um = up.module
         flats = [FlatParam(entries, requires_grad=grad, num_decay=nd, shard_rank=shard_rank, shard_size=shard_size,

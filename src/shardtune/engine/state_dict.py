@@ -6,9 +6,13 @@ shard (and of the AdamW state of the shard's segments), so `dcp.load` writes str
 DCP reslices chunks when the saving and loading layouts differ (2 -> 4 ranks, 2 -> 1, another padding...).
 The metadata of every rank's chunks is computed locally (the layout is deterministic): no collective per key.
 
-Replicas (no_shard, hybrid_shard) hold identical shards: only the first shard group (global ranks 0..S-1) owns
-chunks; after a load it broadcasts them over each replicate group. Frozen parameters are not saved: they come back
-from the recipe (pretrained weights or the seeded init).
+Replicas (no_shard, hybrid_shard) hold identical shards: on save only the first shard group (global ranks 0..S-1)
+owns chunks (one copy on disk). On load every rank reads its own chunks from the files (the chunk metadata then
+places them on its own shard group's ranks), so no state goes through a collective: under CPU offload the shards and
+AdamW state live on the host, and a broadcast of host tensors over an NCCL group would fail (staging them through the
+device instead would cost 3 shard sizes of device memory and a round trip). Cost: each replica group reads the
+checkpoint from storage. Frozen parameters are not saved: they come back from the recipe (pretrained weights or the
+seeded init).
 """
 from __future__ import annotations
 
@@ -38,14 +42,16 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _sharded(flat: FlatParam, slot_index: int, local: torch.Tensor | None, shard_rank: int,
-             placement_device: str) -> ShardedTensor:
-    """A 1-D ShardedTensor over one parameter: chunk metadata for every shard rank, data for this one."""
+             placement_device: str, first_rank: int) -> ShardedTensor:
+    """A 1-D ShardedTensor over one parameter: chunk metadata for every shard rank (shard rank r is global rank
+    first_rank + r), data for this one."""
     slot = flat.slots[slot_index]
     metas, mine = [], []
     for r in range(flat.shard_size):
         for i, p_start, _, n in flat.pieces(r):
             if i == slot_index:
-                m = ShardMetadata(shard_offsets=[p_start], shard_sizes=[n], placement=f"rank:{r}/{placement_device}")
+                m = ShardMetadata(shard_offsets=[p_start], shard_sizes=[n],
+                                  placement=f"rank:{first_rank + r}/{placement_device}")
                 metas.append(m)
                 if r == shard_rank and local is not None:
                     mine.append(Shard(tensor=local, metadata=m))
@@ -56,13 +62,16 @@ def _sharded(flat: FlatParam, slot_index: int, local: torch.Tensor | None, shard
 
 
 def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: torch.optim.Optimizer,
-                     module: nn.Module) -> dict[str, Any]:
-    """{"model.<name>": ShardedTensor, "optim.<name>.exp_avg": ..., "optim.step": tensor, "replicated.<name>": ...}"""
+                     module: nn.Module, *, for_load: bool = False) -> dict[str, Any]:
+    """{"model.<name>": ShardedTensor, "optim.<name>.exp_avg": ..., "optim.step": tensor, "replicated.<name>": ...}
+    `for_load`: every rank holds its chunks (read in place by `dcp.load`); else only the first shard group does."""
     init_optimizer_state(optimizer)
     rank = dist.get_rank()
-    owner = rank < shard_size  # the first shard group owns the chunks; replicas only receive
+    owner = for_load or rank < shard_size
+    # Shard groups are consecutive ranks (shard.build_groups): on load mine starts at rank - shard_rank; on save the
+    # chunks are described on the first group's ranks, the only ones that hold them.
+    first_rank = rank - shard_rank if for_load else 0
     out: dict[str, Any] = {}
-    step = None
     for unit in units:
         for flat in unit.flats:
             if not flat.requires_grad:
@@ -77,20 +86,23 @@ def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: t
                     for _, a, b, seg in flat.segments:
                         if a <= s_start < b:
                             st = optimizer.state[seg]
-                            step = st["step"]
                             local_opt[i] = {k: st[k][s_start - a:s_start - a + n] for k in OPTIM_KEYS}
             for i, slot in enumerate(flat.slots):
-                out[f"model.{slot.name}"] = _sharded(flat, i, local_model.get(i), shard_rank, dev)
+                out[f"model.{slot.name}"] = _sharded(flat, i, local_model.get(i), shard_rank, dev, first_rank)
                 for k in OPTIM_KEYS:
                     t = local_opt[i][k] if i in local_opt else None
-                    out[f"optim.{slot.name}.{k}"] = _sharded(flat, i, t, shard_rank, dev)
+                    out[f"optim.{slot.name}.{k}"] = _sharded(flat, i, t, shard_rank, dev, first_rank)
     for name, p in _replicated_params(module):
         out[f"replicated.{name}"] = p.data
         st = optimizer.state.get(p)
         if st:
-            step = st["step"]
             for k in OPTIM_KEYS:
                 out[f"replicated_optim.{name}.{k}"] = st[k]
+    # Every rank steps every parameter the same number of times: take the counter from any state this rank has,
+    # owner of chunks or not. (A replica that wrote 0 here could be the copy DCP keeps of this replicated key, and a
+    # resume would restart AdamW's bias correction at step 0: the bug this replaced.)
+    states = [optimizer.state[p] for g in optimizer.param_groups for p in g["params"]]
+    step = next((st["step"] for st in states if "step" in st), None)
     out["optim.step"] = step.clone() if step is not None else torch.tensor(0.0)
     return out
 
@@ -100,20 +112,9 @@ def _replicated_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad and "_shardtune_flat_" not in n]
 
 
-def after_load(state: dict[str, Any], units: list, shard_group_size: int, replicate_group,
-               optimizer: torch.optim.Optimizer) -> None:
-    """Set every AdamW step counter and copy the loaded chunks from the first shard group to its replicas."""
+def after_load(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Set every AdamW step counter (saved once, a scalar). The chunks were read in place by every rank."""
     step = state["optim.step"]
     for group in optimizer.param_groups:
         for p in group["params"]:
             optimizer.state[p]["step"] = step.clone()
-    if replicate_group is None:
-        return
-    src = dist.get_rank() % shard_group_size  # the member of my replicate group that is in the first shard group
-    for unit in units:
-        for flat in unit.flats:
-            if flat.requires_grad:
-                dist.broadcast(flat.shard, src=src, group=replicate_group)
-                for _, _, _, seg in flat.segments:
-                    for k in OPTIM_KEYS:
-                        dist.broadcast(optimizer.state[seg][k], src=src, group=replicate_group)

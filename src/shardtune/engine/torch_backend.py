@@ -73,7 +73,7 @@ class TorchShardedModel:
                 yield name, full.detach().to("cpu", copy=True)
             del full
 
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from shardtune.engine.state_dict import init_optimizer_state

@@ -1,0 +1,237 @@
+"""Issue-13 correctness traps, one spawn per world size:
+- random init drawn shard by shard: the same weights at world 1, 2 and 4 as the whole-model init, and a rank's peak
+  while building stays at its shards + one unit (never the model);
+- a rank whose initial weights differ (its own init, another seed, other checkpoint files) is a clear error on
+  every rank (start-up checksum), not a hang;
+- resume under CPU offload with replicas (no_shard, hybrid 2x2) is exact and sends no engine state through a
+  collective (on NCCL a host tensor cannot be sent);
+- sharded generation where ranks stop at different steps finishes (synced_gpus), both backends, and equals
+  single-process generation.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from tests.distributed.common import adamw, build_model, global_batch, policy_for, train_step
+from tests.distributed.harness import run_distributed
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardtune.checkpoint.manager import CheckpointManager, load
+from shardtune.config.load import load_recipe
+from shardtune.engine.fingerprint import MIN_CHUNK
+from shardtune.engine.shard import shard_model
+from shardtune.errors import UserError
+from shardtune.evaluate import generate
+from shardtune.loading import build_empty, checkpoint_key, load_into_shards
+from shardtune.memory import CpuMemoryTracker
+from shardtune.model import build_model as build_recipe_model
+from shardtune.parallelize import parallelize
+
+CPU = torch.device("cpu")
+
+
+# -- random init, sharded ---------------------------------------------------------------------------------------------
+def _sharded_init(lora: bool) -> None:
+    """Gathered weights == the whole-model init (bit-exact); peak while building <= shards + one unit."""
+    overrides = ["lora.enabled=true", "engine.mixed_precision=bf16"] if lora else []
+    recipe = load_recipe("tiny-cpu", overrides)
+    reference = dict(build_recipe_model(recipe.model, seed=recipe.train.seed).named_parameters())
+    tracker = CpuMemoryTracker().start()
+    base = tracker.live_bytes()
+    model = build_recipe_model(recipe.model, seed=recipe.train.seed, sharded_init=True)
+    assert all(p.is_meta for p in model.parameters())
+    sharded = parallelize(model, recipe, device=CPU, world_size=dist.get_world_size())
+    peak = tracker.peak_bytes() - base
+    tracker.stop()
+    flats = [f for u in sharded.units for f in u.flats]
+    shards = sum(f.shard.nbytes for f in flats)
+    largest_unit = max(sum(f.padded_numel for f in u.flats) for u in sharded.units) * 4  # drawn in fp32
+    buffers = sum(b.nbytes for b in model.buffers())
+    adapters = sum(p.nbytes for p in model.parameters() if p.requires_grad) if lora else 0
+    scratch = 2 * 8 * MIN_CHUNK  # the checksum's int64 scratch (fingerprint.py)
+    assert peak <= shards + largest_unit + buffers + adapters + scratch, (peak, shards, largest_unit)
+    model_bytes = sum(p.nbytes for p in reference.values())
+    assert shards + largest_unit + scratch < model_bytes + shards  # the bound excludes a whole-model build
+    full = dict(sharded.full_state_dict())
+    if dist.get_rank() == 0:
+        base_names = {checkpoint_key(n): t for n, t in full.items()}  # the LoRA base keeps the plain model's values
+        assert set(base_names) == set(reference), sorted(set(base_names) ^ set(reference))[:4]
+        for name, t in base_names.items():
+            expected = reference[name].detach().to(t.dtype)
+            assert torch.equal(t, expected), name
+
+
+# -- bf16 masters -----------------------------------------------------------------------------------------------------
+def _bf16_masters() -> None:
+    """The engine refuses 16-bit trainable shards (they are the AdamW masters); a bf16 LoRA base is fine and its
+    adapters, the only trainable tensors, are stepped in fp32."""
+    model = build_model("tiny-llama").to(torch.bfloat16)
+    with pytest.raises(UserError, match="master weights"):
+        shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()), device=CPU)
+    recipe = load_recipe("tiny-cpu", ["model.dtype=bf16", "lora.enabled=true"])
+    model = build_recipe_model(recipe.model, seed=0, sharded_init=True)
+    sharded = parallelize(model, recipe, device=CPU, world_size=dist.get_world_size())
+    params = [p for g in sharded.optimizer_param_groups(0.0) for p in g["params"]]
+    assert params and all(p.dtype == torch.float32 for p in params)
+    assert {f.dtype for u in sharded.units for f in u.flats} == {torch.bfloat16}  # the frozen base
+
+
+# -- start-up checksum ------------------------------------------------------------------------------------------------
+def _mismatch(root: str) -> None:
+    model = build_model("tiny-llama")
+    if dist.get_rank() == 1:  # one rank's init differs by one element of one unit
+        with torch.no_grad():
+            model.model.layers[2].mlp.up_proj.weight[3, 5] += 1e-3
+    with pytest.raises(UserError, match=r"model\.layers\.2.*rank\(s\) \[1\]"):
+        shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()), device=CPU)
+    # The sharded init: a rank with another seed is caught at its first unit.
+    recipe = load_recipe("tiny-cpu", [f"train.seed={dist.get_rank()}"])
+    meta = build_recipe_model(recipe.model, seed=recipe.train.seed, sharded_init=True)
+    with pytest.raises(UserError, match=r"model\.layers\.0'.*differ"):
+        parallelize(meta, recipe, device=CPU, world_size=dist.get_world_size())
+    # Pretrained: a rank whose model.path holds another checkpoint of the same architecture (another node's copy of
+    # a fine-tune of it: its norms moved).
+    paths = [Path(root) / name for name in ("base", "tuned")]
+    if dist.get_rank() == 0:
+        model = build_model("tiny-llama", seed=3)
+        model.save_pretrained(paths[0])
+        with torch.no_grad():
+            model.model.layers[1].post_attention_layernorm.weight.mul_(1.01)
+        model.save_pretrained(paths[1])
+    dist.barrier()
+    for mine, match in ((paths[dist.get_rank()], r"model\.path.*differ"), (paths[0], None)):
+        model = build_empty(lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(paths[0])))
+        sharded = shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()), device=CPU)
+        flats = [f for u in sharded.units for f in u.flats]
+        with pytest.raises(UserError, match=match) if match else contextlib.nullcontext():
+            load_into_shards(flats, model, mine)
+    # Equal builds pass (the check is not a blanket failure).
+    model = build_model("tiny-llama")
+    shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()), device=CPU)
+
+
+# -- resume under offload with replicas -------------------------------------------------------------------------------
+class _Scheduler:
+    optimizer = type("O", (), {"param_groups": []})()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def get_last_lr(self) -> list:
+        return []
+
+
+COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "scatter", "gather", "send", "recv", "isend", "irecv", "reduce")
+
+
+@contextlib.contextmanager
+def recording_collectives():
+    """Record every tensor handed to a torch.distributed collective (the module functions DCP and we call)."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    saved = {}
+
+    def wrap(name, fn):
+        def recorder(*args, **kwargs):
+            for a in [*args, *kwargs.values()]:
+                for t in (a if isinstance(a, (list, tuple)) else [a]):
+                    if isinstance(t, torch.Tensor):
+                        seen.append((name, t))
+            return fn(*args, **kwargs)
+        return recorder
+
+    for name in COLLECTIVES:
+        for mod in (dist, c10d):
+            saved[mod, name] = getattr(mod, name)
+            setattr(mod, name, wrap(name, saved[mod, name]))
+    try:
+        yield seen
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
+
+
+def _resume(strategy: str, root: str) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def make():
+        model = build_model("tiny-llama")
+        policy = dataclasses.replace(policy_for(model, strategy, world=world), cpu_offload=True)
+        sharded = shard_model(model, policy, device=CPU)
+        return model, sharded, adamw(sharded.optimizer_param_groups(0.1))
+
+    model, sharded, opt = make()
+    for step in range(2):
+        train_step(model, sharded, opt, step, accum=2, sync_each=True)
+    path = Path(root) / strategy
+    CheckpointManager(path, keep_last=0, is_main=rank == 0, rank=rank).save(
+        2, sharded.checkpoint_state(opt), _Scheduler(), {"world_size": world})
+    saved_shards = [f.shard.clone() for u in sharded.units for f in u.flats]
+    expected = [train_step(model, sharded, opt, step, accum=2, sync_each=True) for step in (2, 3)]
+
+    model, sharded, opt = make()  # fresh: step-0 weights, empty AdamW state
+    host_state = {f.shard.untyped_storage().data_ptr() for u in sharded.units for f in u.flats}
+    state = sharded.checkpoint_state(opt, for_load=True)  # creates AdamW's state tensors, loaded in place
+    host_state |= {t.untyped_storage().data_ptr() for s in opt.state.values() for t in s.values() if t.ndim}
+    with recording_collectives() as seen:
+        assert load(path / "checkpoints" / "step_2", state, _Scheduler(), rank=rank, world_size=world) == 2
+        sharded.load_checkpoint_state(state, opt)
+    # Engine state lives on the host under offload: none of it may go through a (device) collective; what DCP
+    # sends (plans, metadata) is on the group's device (CPU for gloo).
+    sent_state = [name for name, t in seen if t.untyped_storage().data_ptr() in host_state]
+    assert not sent_state, sent_state
+    assert all(t.device == CPU for _, t in seen)
+    for before, f in zip(saved_shards, [f for u in sharded.units for f in u.flats], strict=True):
+        assert torch.equal(before, f.shard)  # every replica read its own chunks
+    got = [train_step(model, sharded, opt, step, accum=2, sync_each=True) for step in (2, 3)]
+    assert [(loss, float(n)) for loss, n in got] == [(loss, float(n)) for loss, n in expected]
+
+
+# -- generation with ranks stopping at different steps ----------------------------------------------------------------
+def _generate(backend: str) -> None:
+    from shardtune.engine import torch_backend
+
+    rank = dist.get_rank()
+    ref = build_model("tiny-llama").eval()
+    model = build_model("tiny-llama").eval()
+    policy = policy_for(model, "full_shard", world=dist.get_world_size())
+    (shard_model if backend == "shardtune" else torch_backend.shard_model)(model, policy, device=CPU)
+    ids, _ = global_batch(0)
+    prompt = ids[2 * rank:2 * rank + 2, :5]  # each rank its own prompts...
+    new_tokens = 3 + 5 * rank  # ...and its own stop: rank 0 stops 5 tokens before rank 1
+    out = generate(model, dist.get_world_size(), input_ids=prompt, max_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=0)
+    expected = ref.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 5 + new_tokens) and torch.equal(out, expected), (out, expected)
+
+
+def _all(kind: str, **kw) -> None:
+    {"init": _sharded_init, "mismatch": _mismatch, "resume": _resume, "generate": _generate,
+     "bf16": _bf16_masters}[kind](**kw)
+
+
+def test_traps_1_rank() -> None:
+    run_distributed(_all, 1, [dict(kind="init", lora=False), dict(kind="bf16")])
+
+
+def test_traps_2_ranks() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_all, 2, [dict(kind="init", lora=False), dict(kind="init", lora=True),
+                                  dict(kind="mismatch", root=tmp), dict(kind="resume", strategy="no_shard", root=tmp),
+                                  dict(kind="generate", backend="shardtune"), dict(kind="generate", backend="torch")],
+                        timeout_s=60)
+
+
+def test_traps_4_ranks() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_all, 4, [dict(kind="init", lora=False), dict(kind="resume", strategy="hybrid_shard", root=tmp)])
