@@ -84,9 +84,10 @@ def world_of(recipe: Recipe) -> tuple[int, int]:
 
 
 def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup | None = None,
-                with_advice: bool = True) -> Plan:
+                with_advice: bool = True, hardware: HardwareProfile | None = None) -> Plan:
+    """`hardware`: a detected card (train's pre-flight) instead of the `hardware.gpu` profile."""
     stats = stats or ModelStats(recipe)
-    hw = load_profile(recipe.hardware.gpu)
+    hw = hardware or load_profile(recipe.hardware.gpu)
     if setup is None:
         world, nodes = world_of(recipe)
         setup = Setup.from_recipe(recipe, world=world, nodes=nodes,
