@@ -55,7 +55,8 @@ def train(recipe: Recipe) -> dict:
     run = setup(recipe)
     cfg, rt = recipe.train, run.rt
     start_step = resume(run)
-    log = MetricsLog(run.run_dir, max_steps=cfg.max_steps, enabled=rt.is_main, start_step=start_step)
+    log = MetricsLog(run.run_dir, max_steps=cfg.max_steps, enabled=rt.is_main, start_step=start_step,
+                     log_every=cfg.log_every)
     tracker = _memory_tracker(cfg.profile_memory, rt.device)
     stop = StopRequest()
     demo = run.data.eval_raw[: cfg.demo_eval_samples] if cfg.demo_eval else []
