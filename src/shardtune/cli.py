@@ -144,8 +144,14 @@ def export(checkpoint: str = typer.Argument(..., help="<output_dir>/checkpoints/
            ) -> None:
     """Consolidate a sharded checkpoint, streamed tensor by tensor (peak memory ~ one output file)."""
     from shardtune.checkpoint.consolidate import export_checkpoint
+    from shardtune.progress import ExportProgress
 
-    files = export_checkpoint(Path(checkpoint), Path(out_dir), max_shard_bytes=max_shard_size_mb * 1024**2)
+    progress = ExportProgress()
+    try:
+        files = export_checkpoint(Path(checkpoint), Path(out_dir), max_shard_bytes=max_shard_size_mb * 1024**2,
+                                  progress=progress)
+    finally:
+        progress.close()
     typer.echo(f"wrote {len(files)} file(s) to {out_dir}")
 
 

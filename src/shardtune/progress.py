@@ -1,4 +1,6 @@
-"""Rank 0's progress on stdout. On a terminal: one live rich line (step, loss, lr, tokens/s, peak memory, ETA)
+"""Progress on stdout: training (rank 0) and `export`.
+
+Training: On a terminal: one live rich line (step, loss, lr, tokens/s, peak memory, ETA)
 that is replaced by a one-line summary at the end. Otherwise (a log file, SLURM output, a pipe): a plain line at
 step 1, every `train.log_every` steps, at eval steps and at the last step, then the same summary. metrics.jsonl
 keeps every step either way (metrics.py)."""
@@ -110,3 +112,38 @@ class LiveProgress(PlainProgress):
     def close(self) -> None:
         self._bar.stop()
         super().close()
+
+
+class ExportProgress:
+    """`export_checkpoint`'s progress callback. Shown only past `min_bytes` (a small model exports in well under a
+    second): a transient rich bar on a terminal, else one line per output file written."""
+
+    def __init__(self, *, min_bytes: int = 1 << 30, out: TextIO | None = None, live: bool | None = None) -> None:
+        self.out = out or sys.stdout
+        self.live = self.out.isatty() if live is None else live
+        self.min_bytes = min_bytes
+        self._bar: Any = None
+
+    def __call__(self, done: int, total: int, file_name: str) -> None:
+        if total < self.min_bytes:
+            return
+        if self.live:
+            if self._bar is None:
+                from rich.console import Console
+                from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+                console = Console(file=self.out, force_terminal=True) if self.out is not sys.stdout else Console()
+                self._bar = Progress(TextColumn("export"), BarColumn(), DownloadColumn(binary_units=True),
+                                     TimeRemainingColumn(), console=console, transient=True)
+                self._task = self._bar.add_task("export", total=total)
+                self._bar.start()
+            self._bar.update(self._task, completed=done)
+            if done >= total and file_name:
+                self.close()
+        elif file_name:
+            print(f"export: wrote {file_name} ({done / GiB:.2f} of {total / GiB:.2f} GiB)", file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -54,3 +54,18 @@ def test_live_display_leaves_only_a_summary() -> None:
     after_erase = out.split("\x1b[2K")[-1].strip()  # what is left once the transient bar's line is erased
     assert after_erase.startswith("done: steps 1-40 of 40") and after_erase.endswith("peak 1.00 GiB/rank")
     assert "\n" not in after_erase
+
+
+def test_export_progress_lines_per_file_only_for_large_exports() -> None:
+    from shardtune.progress import ExportProgress
+
+    out = io.StringIO()
+    p = ExportProgress(min_bytes=100, out=out, live=False)
+    for done, name in ((40, ""), (80, "model-00001-of-00002.safetensors"), (120, ""),
+                       (160, "model-00002-of-00002.safetensors")):
+        p(done, 160, name)
+    assert [ln.split()[2] for ln in out.getvalue().splitlines()] == ["model-00001-of-00002.safetensors",
+                                                                     "model-00002-of-00002.safetensors"]
+    small = io.StringIO()
+    ExportProgress(min_bytes=1000, out=small, live=False)(160, 160, "model.safetensors")
+    assert small.getvalue() == ""

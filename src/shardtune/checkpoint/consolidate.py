@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +28,9 @@ def _read_tensor(ckpt: Path, key: str, meta: TensorStorageMetadata) -> torch.Ten
     return t
 
 
-def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024**3) -> list[Path]:
+def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024**3,
+                      progress: Callable[[int, int, str], None] | None = None) -> list[Path]:
+    """`progress(done_bytes, total_bytes, file_name)` after each tensor is read and after each file is written."""
     if (ckpt / "latest").is_file():  # a checkpoints/ folder: take its newest
         ckpt = ckpt / (ckpt / "latest").read_text().strip()
     require_complete(ckpt, "export", "point it at <output_dir>/checkpoints/step_N")
@@ -59,14 +62,20 @@ def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024*
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
     weight_map = {}
     written = []
+    done = 0
     for fname, group in zip(names, files):
         tensors = {}
         for k in group:
             name = k[len(prefix):]
             tensors[name] = _read_tensor(ckpt, k, metadata[k]).view(shapes[name]["shape"])
             weight_map[name] = fname
+            done += tensors[name].numel() * tensors[name].element_size()
+            if progress is not None:
+                progress(done, total, "")
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         written.append(out / fname)
+        if progress is not None:
+            progress(done, total, fname)
         del tensors  # only one output file is ever held
     if len(files) > 1:
         (out / "model.safetensors.index.json").write_text(
