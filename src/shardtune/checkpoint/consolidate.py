@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from peft import LoraConfig
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -93,6 +92,8 @@ def _export_adapter(ckpt: Path, out: Path, keys: list[str], metadata: dict, shap
                         "older shardtune; re-save it with this version")
     tensors = {k.removeprefix("replicated."): _read_tensor(ckpt, k, metadata[k]) for k in keys}
     tensors = {n: t.view(shapes[n]["shape"]) for n, t in tensors.items()}
+    from peft import LoraConfig  # only LoRA checkpoints need peft
+
     save_adapter(tensors, LoraConfig.from_pretrained(str(ckpt / "hf")), out)
     for p in (ckpt / "hf").iterdir():
         if p.name not in ("params.json", "adapter_config.json", "config.json"):
