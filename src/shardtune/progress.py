@@ -34,7 +34,12 @@ class PlainProgress:
         self.records: list[dict[str, Any]] = []  # this session's steps (not the ones before a resume)
         self._window_start = 0  # index into records of the first step since the last printed line
 
+    def _first(self, record: dict[str, Any]) -> None:
+        if not self.records:  # the clock starts at the first step, not before the demo's "before" decoding
+            self.t0 = time.perf_counter() - record["step_time_s"]
+
     def update(self, record: dict[str, Any]) -> None:
+        self._first(record)
         self.records.append(record)
         step = record["step"]
         due = (step == self.start_step + 1 or step % self.log_every == 0 or step == self.max_steps
@@ -98,6 +103,7 @@ class LiveProgress(PlainProgress):
         self._bar.start()
 
     def update(self, record: dict[str, Any]) -> None:
+        self._first(record)
         self.records.append(record)
         info = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"{record['tokens_per_s']:,.0f} tok/s"]
         if "eval_loss" in record:
