@@ -18,8 +18,7 @@ def _tree(model: torch.nn.Module) -> tuple:
     params = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
     buffers = [(n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()]
     classes = [(n, type(m).__name__) for n, m in model.named_modules()  # holders of params/buffers, not act_fn
-               if not isinstance(m, torch.nn.Linear | torch.nn.Embedding) and any(True for _ in m.parameters())
-               or any(True for _ in m.buffers(recurse=False))]
+               if any(True for _ in m.parameters()) or any(True for _ in m.buffers(recurse=False))]
     return params, buffers, classes, getattr(model, "_no_split_modules", None)
 
 
