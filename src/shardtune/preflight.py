@@ -5,8 +5,9 @@ replaces the profile's; on CPU the capacity is the host RAM (/proc/meminfo), sha
 recipe that does not fit is refused with the plan's advice (exit 3); `--no-check` launches anyway. `--fit` takes
 `plan --fit`'s fastest fitting configuration at the recipe's global batch and applies it.
 
-Cost: the plan is built on meta by plan/skeleton.py (torch only, no transformers): importing torch is most of it,
-~1.5 s idle on 2 cores, paid once in the launcher before torchrun starts its workers.
+Cost, paid in the launcher before torchrun starts the workers: first a torch-free upper bound from config.json
+(plan/bound.py), which settles recipes far under capacity (the demo) for a few ms; otherwise the full plan on meta
+(plan/skeleton.py: torch only, no transformers), ~2.5 s of CPU, nearly all of it `import torch`.
 """
 from __future__ import annotations
 
