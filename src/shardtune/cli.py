@@ -16,13 +16,24 @@ OVERRIDES = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.lr
 
 
 @app.command()
-def train(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> None:
-    """Train: starts launch.nproc_per_node workers via torchrun (or runs as one inside torchrun/srun)."""
+def train(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
+          fit: bool = typer.Option(False, "--fit", help="Apply the fastest configuration `plan --fit` finds on the "
+                                   "detected hardware at the recipe's global batch (strategy, checkpointing, "
+                                   "offload, micro-batch x grad_accum) and record it in the run's recipe.yaml. "
+                                   "Default: off."),
+          no_check: bool = typer.Option(False, "--no-check", help="Launch even if the pre-flight plan says the "
+                                        "recipe does not fit the detected GPU or host RAM (default: refuse, exit 3)."),
+          ) -> None:
+    """Train: starts launch.nproc_per_node workers via torchrun (or runs as one inside torchrun/srun).
+
+    Before the workers start, the plan runs on the detected hardware (a second or two) and prints a one-line fit
+    summary; a recipe that does not fit is refused with the plan's advice and exit code 3.
+    """
     from shardtune.config.load import load_recipe_config
     from shardtune.launch import launch_train
 
     cfg = load_recipe_config(recipe, overrides or [])
-    raise typer.Exit(launch_train(cfg))
+    raise typer.Exit(launch_train(cfg, check=not no_check, fit=fit))
 
 
 @app.command()
@@ -133,8 +144,14 @@ def export(checkpoint: str = typer.Argument(..., help="<output_dir>/checkpoints/
            ) -> None:
     """Consolidate a sharded checkpoint, streamed tensor by tensor (peak memory ~ one output file)."""
     from shardtune.checkpoint.consolidate import export_checkpoint
+    from shardtune.progress import ExportProgress
 
-    files = export_checkpoint(Path(checkpoint), Path(out_dir), max_shard_bytes=max_shard_size_mb * 1024**2)
+    progress = ExportProgress()
+    try:
+        files = export_checkpoint(Path(checkpoint), Path(out_dir), max_shard_bytes=max_shard_size_mb * 1024**2,
+                                  progress=progress)
+    finally:
+        progress.close()
     typer.echo(f"wrote {len(files)} file(s) to {out_dir}")
 
 

@@ -80,21 +80,38 @@ def _forward_stop_signals(proc: subprocess.Popen) -> None:
         signal.signal(sig, forward)
 
 
-def launch_train(cfg: DictConfig) -> int:
+def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False) -> int:
+    """`check`: refuse (exit 3) a recipe the plan says does not fit the detected hardware; `fit`: apply
+    `plan --fit`'s fastest fitting configuration first (preflight.py)."""
     if not in_worker_env():
         from shardtune.slurm import apply_allocation
 
         cfg = apply_allocation(cfg)  # inside `srun`, one task per node: nodes and rendezvous from SLURM
     recipe = to_recipe(cfg)
-    if in_worker_env():
+    if in_worker_env():  # the launcher (or the user) already checked: workers never re-run the plan
         from shardtune.worker import run_worker
 
+        if fit:
+            print("warning: --fit is ignored inside torchrun/srun workers: run `shardtune train RECIPE --fit` "
+                  "outside them, or pass the overrides `shardtune plan RECIPE --fit` lists", file=sys.stderr)
         return run_worker(recipe)
     nproc = check_launch(recipe)
+    header = ""
+    if check or fit:
+        from shardtune.preflight import preflight
+
+        before = to_yaml(cfg)
+        cfg, code = preflight(cfg, recipe, nproc, refuse=check, fit=fit)
+        if code:
+            return code
+        if fit and to_yaml(cfg) != before:
+            recipe = to_recipe(cfg)
+            nproc = check_launch(recipe)
+            header = "# engine/train settings chosen by `shardtune train --fit` (plan --fit's fastest fitting one)\n"
     run_dir = Path(recipe.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
-    recipe_file.write_text(to_yaml(cfg))  # resolved: every default, override and path, so a run is reproducible
+    recipe_file.write_text(header + to_yaml(cfg))  # resolved: every default and override, so a run is reproducible
     (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
     (run_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
     env = dict(os.environ)

@@ -8,14 +8,16 @@ engine then shards the frozen base and keeps the adapters replicated (see engine
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model
 from safetensors.torch import save_file
 from torch import nn
 
 from shardtune.config.schema import LoraConfig
+
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
 
 ADAPTER = "default"  # peft's adapter name: in parameter names, not in the saved keys
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -23,6 +25,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, base_name: str | None = None) -> nn.Module:
     """Inject adapters into `model` in place; returns the same object (the HF model, not peft's wrapper)."""
+    # peft is imported here, not at the top: a run without LoRA never pays for it (~0.4 s per worker)
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     config = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                             target_modules=list(cfg.target_modules), task_type="CAUSAL_LM",
                             base_model_name_or_path=base_name)

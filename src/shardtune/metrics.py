@@ -1,23 +1,23 @@
-"""The run directory's records, written by rank 0: metrics.jsonl, TensorBoard events, loss.png, progress."""
+"""The run directory's records, written by rank 0: metrics.jsonl, TensorBoard events, loss.png; progress on stdout
+(progress.py)."""
 from __future__ import annotations
 
 import json
 import math
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from shardtune.progress import make_progress
+
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, *, max_steps: int, enabled: bool, start_step: int = 0) -> None:
+    def __init__(self, run_dir: Path, *, max_steps: int, enabled: bool, start_step: int = 0, log_every: int = 20) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = max_steps
         self.history: list[dict[str, Any]] = []
         self._tb = None
         self._progress = None
-        self._t0 = time.perf_counter()
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -30,13 +30,7 @@ class MetricsLog:
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         except ImportError:  # tensorboard is a dependency; a stripped install still trains
             self._tb = None
-        if sys.stdout.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self._task = self._progress.add_task("train", total=max_steps, completed=start_step, info="")
-            self._progress.start()
+        self._progress = make_progress(max_steps=max_steps, start_step=start_step, log_every=log_every)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -48,13 +42,7 @@ class MetricsLog:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, record["step"])
-        info = " ".join(f"{k}={_fmt(record[k])}" for k in ("loss", "eval_loss", "tokens_per_s") if k in record)
-        if self._progress is not None:
-            self._progress.update(self._task, completed=record["step"], info=info)
-        else:
-            elapsed = time.perf_counter() - self._t0
-            eta = elapsed / max(record["step"], 1) * (self.max_steps - record["step"])
-            print(f"step {record['step']}/{self.max_steps} {info} eta={eta:.0f}s", flush=True)
+        self._progress.update(record)
 
     def last_loss(self) -> float | None:
         return self.history[-1]["loss"] if self.history else None
@@ -62,8 +50,7 @@ class MetricsLog:
     def close(self, run_dir: Path) -> None:
         if not self.enabled or self._file.closed:
             return
-        if self._progress is not None:
-            self._progress.stop()
+        self._progress.close()  # the live display (or the last plain line) becomes a one-line summary
         if self._tb is not None:
             self._tb.close()
         self._file.close()
@@ -95,10 +82,6 @@ def _read_until(path: Path, step: int) -> list[dict[str, Any]]:
         return []
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     return [r for r in rows if r["step"] <= step]
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def plot_loss(history: list[dict[str, Any]], out: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shardtune import checkpoint as ckpt
 from shardtune.config import Recipe
@@ -22,6 +22,7 @@ from shardtune.metrics import MetricsLog
 from shardtune.model import build_model, build_tokenizer
 from shardtune.parallelize import parallelize
 from shardtune.runtime import Runtime, all_reduce_max, all_reduce_sum, init_runtime
+from shardtune.schedule import build_scheduler
 from shardtune.signals import EXIT_DIVERGED, EXIT_PREEMPTED, StopRequest
 
 
@@ -55,7 +56,8 @@ def train(recipe: Recipe) -> dict:
     run = setup(recipe)
     cfg, rt = recipe.train, run.rt
     start_step = resume(run)
-    log = MetricsLog(run.run_dir, max_steps=cfg.max_steps, enabled=rt.is_main, start_step=start_step)
+    log = MetricsLog(run.run_dir, max_steps=cfg.max_steps, enabled=rt.is_main, start_step=start_step,
+                     log_every=cfg.log_every)
     tracker = _memory_tracker(cfg.profile_memory, rt.device)
     stop = StopRequest()
     demo = run.data.eval_raw[: cfg.demo_eval_samples] if cfg.demo_eval else []
@@ -112,8 +114,7 @@ def setup(recipe: Recipe) -> Run:
     sharded = parallelize(model, recipe, device=rt.device, world_size=rt.world_size)
     host_states = rt.device.type == "cpu" or recipe.engine.cpu_offload
     optimizer = build_optimizer(sharded, cfg, on_host=host_states)
-    scheduler = get_scheduler(cfg.schedule, optimizer, num_warmup_steps=cfg.warmup_steps,
-                              num_training_steps=cfg.max_steps)
+    scheduler = build_scheduler(cfg.schedule, optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps)
     batches = GlobalBatches(data.train, micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
                             world_size=rt.world_size, seed=cfg.seed)
     run_dir = Path(cfg.output_dir)

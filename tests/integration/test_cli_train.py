@@ -42,6 +42,9 @@ def test_train_two_workers_end_to_end(tmp_path, backend):
     assert resolved.train.max_steps == 6 and resolved.engine.backend == backend
     assert list((run / "tensorboard").glob("events.out.tfevents.*")) and (run / "loss.png").stat().st_size > 1000
     assert "held-out exact-match accuracy" in proc.stdout
+    # Not a terminal: plain progress lines at step 1, eval steps and the last one (log_every=20 > 6), then a summary.
+    assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ")] == ["1/6", "3/6", "6/6"]
+    assert "done: steps 1-6 of 6" in proc.stdout and proc.stdout.startswith("pre-flight (2 x CPU")
 
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tok = AutoTokenizer.from_pretrained(run / "final")
@@ -65,3 +68,25 @@ def test_data_error_in_worker_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and "column" in err[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_train_fit_applies_and_records_the_fastest_fitting_configuration(tmp_path):
+    """A recipe the search improves (checkpointing on, micro-batch 4 x 2): --fit turns checkpointing off and runs
+    micro-batch 8 x 1 (same global batch; fastest on the CPU profile), and recipe.yaml, which the workers and any
+    resume or `slurm` read, holds them."""
+    run = tmp_path / "run"
+    proc = subprocess.run([SHARDTUNE, "train", "tiny-cpu", "--fit", f"train.output_dir={run}", "train.max_steps=2",
+                           "data.num_samples=300", "data.seq_len=64", "train.demo_eval=false", "train.eval_every=0",
+                           "train.save_final=false", "engine.activation_checkpointing=true",
+                           "train.micro_batch_size=4", "train.grad_accum=2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("train --fit: engine.activation_checkpointing: true -> false; train.micro_batch_size: 4 -> 8; "
+            "train.grad_accum: 2 -> 1") in proc.stdout
+    text = (run / "recipe.yaml").read_text()
+    assert text.startswith("# engine/train settings chosen by `shardtune train --fit`")
+    recipe = load_recipe(run / "recipe.yaml")
+    assert (recipe.engine.activation_checkpointing, recipe.train.micro_batch_size, recipe.train.grad_accum) == \
+        (False, 8, 1)
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2] and lines[0]["tokens"] == 8 * 2 * 64  # global batch unchanged

@@ -1,5 +1,8 @@
-"""The launcher process only reads the recipe and starts torchrun: importing torch/transformers there cost every
-`shardtune train` ~5 s before a worker started (measured: a 6-step CLI run 22.4 s -> 17.0 s without them)."""
+"""The launcher process reads the recipe, runs the pre-flight check and starts torchrun. Importing torch+transformers
+there cost every `shardtune train` ~5 s before a worker started (a 6-step CLI run 22.4 s -> 17.0 s without them).
+Checking a recipe (validate, check_launch) needs neither; the pre-flight of a recipe far under capacity neither
+(plan/bound.py); the full plan (near capacity, `--fit`) needs torch (meta tensors, plan/skeleton.py), not
+transformers."""
 from __future__ import annotations
 
 import subprocess
@@ -11,13 +14,21 @@ from shardtune.config.load import load_recipe_config, to_recipe
 from shardtune.launch import check_launch, torchrun_command
 from shardtune.slurm import apply_allocation
 import shardtune.cli
-recipe = to_recipe(apply_allocation(load_recipe_config("tiny-cpu", ["engine.strategy=hybrid_shard"])))
-check_launch(recipe)
-print(sorted(m for m in ("torch", "transformers", "peft", "datasets") if m in sys.modules))
+cfg = apply_allocation(load_recipe_config("tiny-cpu", ["engine.strategy=hybrid_shard"]))
+recipe = to_recipe(cfg)
+nproc = check_launch(recipe)
+heavy = ("torch", "transformers", "peft", "datasets", "accelerate")
+print(sorted(m for m in heavy if m in sys.modules))
+from shardtune.preflight import preflight
+print(preflight(cfg, recipe, nproc, refuse=True, fit=False)[1], sorted(m for m in heavy if m in sys.modules))
+print(preflight(cfg, recipe, nproc, refuse=True, fit=True)[1], sorted(m for m in heavy if m in sys.modules))
 """
 
 
-def test_launcher_path_imports_no_ml_library():
+def test_launcher_path_imports_no_ml_library_and_preflight_no_transformers():
     out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "[]", out.stdout
+    assert lines[2] == "0 []", out.stdout  # far under capacity: plan/bound.py decides, torch-free
+    assert lines[-1] == "0 ['torch']", out.stdout  # --fit needs the plan itself

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from peft import LoraConfig
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -27,7 +27,9 @@ def _read_tensor(ckpt: Path, key: str, meta: TensorStorageMetadata) -> torch.Ten
     return t
 
 
-def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024**3) -> list[Path]:
+def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024**3,
+                      progress: Callable[[int, int, str], None] | None = None) -> list[Path]:
+    """`progress(done_bytes, total_bytes, file_name)` after each tensor is read and after each file is written."""
     if (ckpt / "latest").is_file():  # a checkpoints/ folder: take its newest
         ckpt = ckpt / (ckpt / "latest").read_text().strip()
     require_complete(ckpt, "export", "point it at <output_dir>/checkpoints/step_N")
@@ -59,14 +61,20 @@ def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024*
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
     weight_map = {}
     written = []
+    done = 0
     for fname, group in zip(names, files):
         tensors = {}
         for k in group:
             name = k[len(prefix):]
             tensors[name] = _read_tensor(ckpt, k, metadata[k]).view(shapes[name]["shape"])
             weight_map[name] = fname
+            done += tensors[name].numel() * tensors[name].element_size()
+            if progress is not None:
+                progress(done, total, "")
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         written.append(out / fname)
+        if progress is not None:
+            progress(done, total, fname)
         del tensors  # only one output file is ever held
     if len(files) > 1:
         (out / "model.safetensors.index.json").write_text(
@@ -84,6 +92,8 @@ def _export_adapter(ckpt: Path, out: Path, keys: list[str], metadata: dict, shap
                         "older shardtune; re-save it with this version")
     tensors = {k.removeprefix("replicated."): _read_tensor(ckpt, k, metadata[k]) for k in keys}
     tensors = {n: t.view(shapes[n]["shape"]) for n, t in tensors.items()}
+    from peft import LoraConfig  # only LoRA checkpoints need peft
+
     save_adapter(tensors, LoraConfig.from_pretrained(str(ckpt / "hf")), out)
     for p in (ckpt / "hf").iterdir():
         if p.name not in ("params.json", "adapter_config.json", "config.json"):

@@ -130,7 +130,10 @@ class TrainConfig:
     keep_last: int = 0  # complete checkpoints to keep (0: all)
     resume: str = "auto"  # auto = newest complete checkpoint in output_dir | none | a checkpoints/step_N path
     skip_nonfinite: int = 0  # steps with a NaN/inf loss or grad norm to skip (then stop); 0: stop at the first
-    log_every: int = 1  # steps between progress lines
+    # Steps between plain progress lines when stdout is not a terminal (log file, SLURM output); step 1, eval steps
+    # and the last step are printed too: the 300-step demo prints 19 lines. On a terminal a live display updates
+    # every step instead. metrics.jsonl always has every step.
+    log_every: int = 20
     profile_memory: bool = False  # CPU: peak live tensor bytes; CUDA: max_memory_allocated
     demo_eval: bool = False  # print held-out exact-match accuracy before and after training (builtin tasks)
     demo_eval_samples: int = 64

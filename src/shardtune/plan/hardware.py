@@ -10,6 +10,14 @@ from shardtune.errors import UserError
 
 HARDWARE_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
 GB = 1e9
+GiB = 1 << 30
+FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator blocks, fragmentation)
+CUDA_CONTEXT = 1 * GiB  # CUDA context + NCCL buffers + kernels: outside the allocator's counters
+
+
+def usable_gpu_bytes(capacity: int) -> int:
+    """What a GPU plan's peak must stay under: capacity less allocator slack and the CUDA context."""
+    return int(capacity * (1 - FRAGMENTATION)) - CUDA_CONTEXT
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,12 +7,8 @@ from dataclasses import dataclass, field
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe, check_world
 from shardtune.plan.estimate import Estimate, Setup, estimate
-from shardtune.plan.hardware import HardwareProfile, load_profile
+from shardtune.plan.hardware import GiB, HardwareProfile, load_profile, usable_gpu_bytes
 from shardtune.plan.stats import ModelStats
-
-GiB = 1 << 30
-FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator blocks, fragmentation)
-CUDA_CONTEXT = 1 * GiB  # CUDA context + NCCL buffers + kernels: outside the allocator's counters
 
 
 @dataclass
@@ -37,7 +33,7 @@ class Plan:
         """What the estimate must stay under: capacity less the CUDA context and allocator slack (GPUs)."""
         if self.hardware.is_cpu:
             return self.capacity
-        return int(self.capacity * (1 - FRAGMENTATION)) - CUDA_CONTEXT
+        return usable_gpu_bytes(self.capacity)
 
     @property
     def host_ok(self) -> bool:
@@ -84,9 +80,10 @@ def world_of(recipe: Recipe) -> tuple[int, int]:
 
 
 def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup | None = None,
-                with_advice: bool = True) -> Plan:
+                with_advice: bool = True, hardware: HardwareProfile | None = None) -> Plan:
+    """`hardware`: a detected card (train's pre-flight) instead of the `hardware.gpu` profile."""
     stats = stats or ModelStats(recipe)
-    hw = load_profile(recipe.hardware.gpu)
+    hw = hardware or load_profile(recipe.hardware.gpu)
     if setup is None:
         world, nodes = world_of(recipe)
         setup = Setup.from_recipe(recipe, world=world, nodes=nodes,

@@ -154,4 +154,8 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                         p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
                         if p.fits:
                             out.append(Candidate(p, step_time(p)))
-    return sorted(out, key=lambda c: c.time["step_s"])
+    # Equal predicted times are common (compute-bound with prefetch: comm hides under compute): prefer no offload,
+    # no checkpointing, then the largest micro-batch (fewest micro-steps: the per-step overheads the model leaves
+    # out), then the recipe's own strategy, so `train --fit` changes nothing it has no reason to change.
+    return sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.checkpointing is not False,
+                                      -c.plan.setup.micro_batch, c.plan.setup.strategy != s.strategy))

@@ -1,6 +1,9 @@
-"""Model facts for `plan`, read from a meta-device build (no weights, no memory: a 70B model in well under 3 s):
+"""Model facts for `plan`, read from a meta-device build (no weights, no memory: a 70B model in ~0.1 s):
 parameter counts, the engine's per-unit flat layout (engine/layout.py, the code the engine itself uses), the
-architecture dims the activation model needs, and LoRA adapter sizes."""
+architecture dims the activation model needs, and LoRA adapter sizes.
+
+The build is skeleton.py's torch-only stand-in for the Llama family (no transformers import: `plan` and the
+launcher's pre-flight stay ~3 s cheaper); other architectures are built by transformers itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,13 +11,12 @@ from functools import cached_property
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from shardtune.config.schema import Recipe
+from shardtune.config.schema import ModelConfig, Recipe
 from shardtune.engine.api import ShardingPolicy
 from shardtune.engine.layout import UnitLayout, unit_layouts
 from shardtune.engine.wrap import resolve_unit_classes
-from shardtune.model import load_config
+from shardtune.plan import skeleton
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -30,11 +32,26 @@ class Dims:
     vocab: int
 
     @classmethod
-    def from_config(cls, c: PretrainedConfig) -> Dims:
+    def from_config(cls, c) -> Dims:  # an HF PretrainedConfig, or skeleton.config_namespace
         heads = c.num_attention_heads
         return cls(hidden=c.hidden_size, intermediate=c.intermediate_size, num_layers=c.num_hidden_layers,
                    num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size)
+
+
+def build_meta_model(cfg: ModelConfig) -> tuple[nn.Module, Dims]:
+    raw = skeleton.read_config_json(cfg)
+    if raw is not None and skeleton.supported(raw):
+        return skeleton.build_skeleton(raw, DTYPES[cfg.dtype]), Dims.from_config(skeleton.config_namespace(raw))
+    from transformers import AutoModelForCausalLM  # ~3 s of imports: only for architectures skeleton.py lacks
+
+    from shardtune.model import load_config
+
+    hf_config = load_config(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[cfg.dtype],
+                                                 attn_implementation=cfg.attn_implementation)
+    return model, Dims.from_config(hf_config)
 
 
 class ModelStats:
@@ -42,11 +59,7 @@ class ModelStats:
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
-        self.hf_config = load_config(recipe.model)
-        self.dims = Dims.from_config(self.hf_config)
-        with torch.device("meta"):
-            self.model: nn.Module = AutoModelForCausalLM.from_config(
-                self.hf_config, dtype=DTYPES[recipe.model.dtype], attn_implementation=recipe.model.attn_implementation)
+        self.model, self.dims = build_meta_model(recipe.model)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # tied weights once
         self._layouts: dict[tuple[int, bool, torch.dtype], list[UnitLayout]] = {}
 

@@ -1,0 +1,98 @@
+"""`shardtune train`'s pre-flight (preflight.py): the plan on the detected hardware before any worker starts."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from shardtune import launch, preflight
+from shardtune.config.load import load_recipe_config, to_recipe
+from tests.unit.cli_helpers import run_cli
+
+
+class FakeTorchrun:
+    """Stands in for torchrun: records the command, 'runs' instantly and successfully."""
+
+    calls: list[list[str]] = []
+
+    def __init__(self, cmd, **kwargs) -> None:
+        FakeTorchrun.calls.append(cmd)
+        self.stderr = iter(())
+
+    def wait(self) -> int:
+        return 0
+
+    def poll(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def torchrun(monkeypatch):
+    FakeTorchrun.calls = []
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeTorchrun)
+    monkeypatch.setattr(launch, "_forward_stop_signals", lambda proc: None)
+    return FakeTorchrun.calls
+
+
+def test_refuses_before_any_worker_starts(tmp_path, capsys, torchrun):
+    run = tmp_path / "run"
+    code, out, err = run_cli(["train", "tiny-cpu", f"train.output_dir={run}", "hardware.host_ram_gb=0.001"], capsys)
+    assert code == 3
+    assert torchrun == [] and not run.exists()  # no worker, no run directory
+    assert "does NOT fit" in out and "advice:" in err and "--no-check" in err
+
+
+def test_model_too_big_for_this_hosts_ram_is_refused(tmp_path, capsys, torchrun):
+    """No host_ram_gb in the recipe: the check uses /proc/meminfo. A 405B model in fp32 on 2 CPU workers."""
+    assert preflight.host_ram_bytes() > 2**30
+    code, out, _ = run_cli(["train", "tiny-cpu", f"train.output_dir={tmp_path / 'run'}",
+                            "model.config=configs/models/llama-3.1-405b.json"], capsys)
+    assert code == 3 and torchrun == [] and "does NOT fit" in out
+
+
+def test_no_check_skips_the_check_and_launches(tmp_path, capsys, torchrun):
+    run = tmp_path / "run"
+    code, out, err = run_cli(["train", "tiny-cpu", f"train.output_dir={run}", "hardware.host_ram_gb=0.001",
+                              "--no-check"], capsys)
+    assert code == 0 and len(torchrun) == 1 and (run / "recipe.yaml").exists()
+    assert "pre-flight" not in out + err  # skipped: no plan built
+
+
+def test_fitting_recipe_prints_one_summary_line(tmp_path, capsys, torchrun):
+    code, out, _ = run_cli(["train", "tiny-cpu", f"train.output_dir={tmp_path / 'run'}"], capsys)
+    assert code == 0 and len(torchrun) == 1
+    assert [ln for ln in out.splitlines() if ln.startswith("pre-flight")] == [out.strip()]
+    assert "fits: peak" in out and "2 x CPU" in out
+
+
+def test_workers_do_not_rerun_the_check(monkeypatch, tmp_path):
+    import shardtune.worker
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(shardtune.worker, "run_worker", lambda recipe: 0)
+    monkeypatch.setattr(preflight, "preflight", lambda *a, **k: pytest.fail("the worker re-ran the pre-flight"))
+    cfg = load_recipe_config("tiny-cpu", [f"train.output_dir={tmp_path}", "hardware.host_ram_gb=0.001"])
+    assert launch.launch_train(cfg) == 0
+
+
+@pytest.mark.parametrize(("name", "mib", "key"), [
+    ("NVIDIA H100 80GB HBM3", 81559, "h100-80gb"), ("NVIDIA A100-SXM4-40GB", 40960, "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", 81920, "a100-80gb"), ("NVIDIA GeForce RTX 4090", 24564, "rtx4090-24gb"),
+    ("NVIDIA L40S", 46068, "l40s-48gb"), ("Tesla T4", 15360, None)])
+def test_detected_card_selects_profile_and_its_memory(monkeypatch, name, mib, key):
+    assert preflight.match_profile(name, mib * 2**20) == key
+    monkeypatch.setattr(preflight, "detect_gpu", lambda: (name, mib * 2**20))
+    cfg = load_recipe_config("llama-3.1-8b-lora-1x24gb", ["launch.device=cuda"])
+    recipe = to_recipe(cfg)
+    plan = preflight.plan_on_detected(cfg, recipe, 1, preflight.detect("cuda"))
+    assert plan.hardware.key == (key or recipe.hardware.gpu)
+    assert plan.capacity == mib * 2**20 and plan.hardware.name == name and plan.setup.world == 1
+
+
+def test_nvidia_smi_output_is_parsed(monkeypatch):
+    monkeypatch.setattr(preflight.shutil, "which", lambda exe: "/usr/bin/nvidia-smi")
+    done = subprocess.CompletedProcess([], 0, stdout="NVIDIA H100 80GB HBM3, 81559\nNVIDIA H100 80GB HBM3, 81559\n")
+    monkeypatch.setattr(preflight.subprocess, "run", lambda *a, **k: done)
+    assert preflight.detect_gpu() == ("NVIDIA H100 80GB HBM3", 81559 * 2**20)
