@@ -103,12 +103,20 @@ def load_into_shards(flats: list[Any], module: nn.Module, path: Path) -> None:
             raise UserError(f"model.path: '{path}' lacks {len(missing)} weight(s) the model needs, e.g. "
                             f"{missing[:3]}: is it a checkpoint of this architecture?")
         for flat in flats:
+            if hasattr(flat, "fill"):  # NF4 base (engine/quantized.py): each weight read in chunks and quantized
+                flat.fill(lambda name: _range_reader(ckpt, checkpoint_key(name)))
+                continue
             for i, p_start, s_start, n in flat.pieces():
                 key = checkpoint_key(flat.slots[i].name)
                 piece = read_flat_range(ckpt.handle(key), key, p_start, n)
                 flat.shard[s_start:s_start + n].copy_(piece)  # casts to the shard's dtype
                 del piece
         ckpt.load_buffers(module)
+
+
+def _range_reader(ckpt: CheckpointFiles, key: str) -> Any:
+    handle = ckpt.handle(key)
+    return lambda start, length: read_flat_range(handle, key, start, length)
 
 
 def load_full(module: nn.Module, path: Path, device: torch.device) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardtune.engine.api import ShardingPolicy
+from shardtune.engine.nf4_layout import quantizable
 from shardtune.engine.wrap import find_units
 from shardtune.errors import UserError
 
@@ -35,6 +36,7 @@ class UnitParams:
     decay: list[Entry] = field(default_factory=list)  # trainable, weight decay
     no_decay: list[Entry] = field(default_factory=list)  # trainable, no weight decay (norms, biases)
     frozen: list[Entry] = field(default_factory=list)  # requires_grad=False
+    quantized: list[Entry] = field(default_factory=list)  # frozen Linear weights stored as NF4 (quantize_base)
 
     def flat_groups(self) -> list[tuple[list[Entry], bool, int]]:
         """(entries in buffer order, requires_grad, num_decay) for each non-empty flat buffer: trainable first."""
@@ -78,7 +80,7 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
             p = params[k]
             entry = (names[k], p, locations[k])
             if not p.requires_grad:
-                up.frozen.append(entry)
+                (up.quantized if _is_quantized(policy, up, entry) else up.frozen).append(entry)
             elif policy.no_weight_decay(names[k], p):
                 up.no_decay.append(entry)
             else:
@@ -96,6 +98,14 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
 
 def _is_replicated(policy: ShardingPolicy, name: str, p: nn.Parameter) -> bool:
     return policy.replicated is not None and p.requires_grad and policy.replicated(name, p)
+
+
+def _is_quantized(policy: ShardingPolicy, up: UnitParams, entry: Entry) -> bool:
+    """quantize_base: a frozen weight of nn.Linear modules only, inside a unit (the root stays unquantized), whose
+    shape NF4 takes (2-D, whole blocks). The rest of the unit's frozen params (norms, biases) stay in `frozen`."""
+    _, p, locations = entry
+    return (policy.quantize_base and not up.is_root and quantizable(p.shape)
+            and all(isinstance(m, nn.Linear) and attr == "weight" for m, attr in locations))
 
 
 def replicated_params(module: nn.Module, policy: ShardingPolicy) -> list[tuple[str, nn.Parameter]]:

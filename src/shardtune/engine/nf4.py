@@ -1,0 +1,92 @@
+"""NF4 (QLoRA's 4-bit NormalFloat) through torchao's `NF4Tensor`: quantize a weight into its byte layout
+(nf4_layout.py), rebuild an `NF4Tensor` over views of a byte buffer. The only module that imports torchao.
+
+Why torchao rather than bitsandbytes: torchao's NF4 is pure PyTorch (runs forward and backward on CPU and CUDA, so
+the gloo parity tests exercise the real code path), its parts are plain tensors we can lay into our own flat
+buffers and rebuild views over (bitsandbytes keeps them in a `Params4bit` + `QuantState` and dequantizes with
+CUDA kernels), and it ships FSDP2 all-gather hooks for `engine.backend=torch`.
+
+Quantization is per whole tensor (the mean and the scaler blocks span it), before any sharding: every world size
+sees the same bytes. It runs in chunks of whole blocks, reading the tensor piece by piece, so a loader holds the
+tensor's parts (~n/2 bytes) plus one chunk, never the whole tensor; the result is bit-identical to
+`to_nf4(tensor)` (a block's codes depend only on that block; the scalers come from the whole absmax vector).
+Compute: `F.linear` on an NF4Tensor is torchao's `linear_nf4`: it dequantizes the whole weight (one temporary in
+the compute dtype) in forward, and again in backward for the input gradient; the base gets no gradient.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardtune import quiet_imports
+
+quiet_imports.install()  # before torchao's import logs its optional-kernel warnings
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # noqa: E402
+    NF4Tensor,
+    SubclassTensorArgs,
+)
+
+from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, scaler_block  # noqa: E402
+
+CHUNK = 1 << 20  # elements quantized at once: bounds the temporaries (~40 bytes per element in bf16) to ~40 MiB
+
+
+def quantize_into(out: torch.Tensor, read: Callable[[int, int], torch.Tensor], layout: Nf4Layout) -> None:
+    """Write the NF4 parts of a weight into `out` (uint8, numel layout.nbytes). `read(start, length)` returns that
+    flat range of the weight (any float dtype, any device); it is read twice (absmaxes, then codes), CHUNK at a time.
+    """
+    n, dtype = layout.numel, layout.dtype
+    # Pass 1: per-block absmax over the whole tensor (n/64 values), then torchao's double quantization of it. Fed a
+    # vector of absmaxes with block size 1, `double_quantize_scalers` computes exactly what it computes for the whole
+    # tensor (the absmax of a 1-element block of a non-negative value is that value).
+    absmax = torch.cat([read(a, min(CHUNK, n - a)).to(out.device, dtype).view(-1, BLOCK).abs().amax(dim=1)
+                        for a in range(0, n, CHUNK)])
+    q_scalers, factors, mean = NF4Tensor.double_quantize_scalers(absmax, 1, scaler_block(n))
+    del absmax
+    out[layout.scalers:layout.scalers + q_scalers.numel()].copy_(q_scalers.view(torch.uint8))
+    e = mean.element_size()
+    out[layout.factors:layout.factors + factors.numel() * e].view(dtype).copy_(factors.reshape(-1))
+    out[layout.mean:layout.mean + e].view(dtype).copy_(mean.reshape(1))
+    # Pass 2: codes, chunk by chunk (a block's codes depend only on that block).
+    nf4 = codebook(dtype, out.device)
+    for a in range(0, n, CHUNK):
+        m = min(CHUNK, n - a)
+        chunk = read(a, m).to(out.device, dtype)
+        codes = NF4Tensor.convert_to_norm_float_weight(chunk, m // BLOCK, BLOCK, nf4)
+        out[layout.codes + a // 2:layout.codes + (a + m) // 2].copy_(codes)
+        del chunk, codes
+
+
+_CODEBOOK: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def codebook(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torchao's 16 NF4 levels (1D, `dtype`), taken from a 64-element to_nf4 so they are never retyped here."""
+    key = (dtype, torch.device(device))
+    if key not in _CODEBOOK:
+        _CODEBOOK[key] = NF4Tensor.from_tensor(torch.ones(BLOCK * 2, dtype=dtype, device=device), BLOCK, 1).nf4
+    return _CODEBOOK[key]
+
+
+def nf4_view(buf: torch.Tensor, layout: Nf4Layout) -> NF4Tensor:
+    """An NF4Tensor whose parts are views of `buf` (uint8, the weight's region): no copy, so refilling `buf` (the
+    gathered unit, re-gathered for backward) refreshes every NF4Tensor autograd saved."""
+    n, dtype = layout.numel, layout.dtype
+    sb = scaler_block(n)
+    e = torch.empty((), dtype=dtype, device="meta").element_size()
+    n_blocks = n // BLOCK
+    meta = SubclassTensorArgs(layout.shape, (layout.shape[1], 1), 0, dtype, buf.device, False)
+    return NF4Tensor(
+        meta, BLOCK, n_blocks, sb,
+        buf[layout.scalers:layout.scalers + n_blocks].view(torch.int8),  # quantized_scalers
+        buf[layout.factors:layout.factors + n_blocks // sb * e].view(dtype),  # quantization_factor
+        buf[layout.mean:layout.mean + e].view(dtype).view(()),  # scaler_mean
+        buf[layout.codes:layout.codes + n // 2],  # quantized_data
+        codebook(dtype, buf.device),
+    )
+
+
+def dequantize(buf: torch.Tensor, layout: Nf4Layout) -> torch.Tensor:
+    """The weight as the matmul sees it (layout.shape, layout.dtype)."""
+    return nf4_view(buf, layout).get_original_weight()
