@@ -91,7 +91,7 @@ class QuantizedFlat:
             slot = self.slots[i]
             if only is not None and slot.name not in only:
                 continue
-            region = torch.empty(slot.numel, dtype=torch.uint8, device=self.shard.device)
+            region = torch.zeros(slot.numel, dtype=torch.uint8, device=self.shard.device)  # zero alignment gaps
             nf4.quantize_into(region, reader(slot.name), slot.layout)
             self.shard[s_start:s_start + n].copy_(region[start:start + n])
             del region
