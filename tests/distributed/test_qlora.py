@@ -10,19 +10,26 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tests.distributed.common import adamw, global_batch, num_targets, token_loss_sum, train_step
+from tests.distributed.common import adamw, build_model, global_batch, num_targets, token_loss_sum, train_step
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_lora import lora_model, lora_policy
+from tests.distributed.test_lora import LORA, lora_model, lora_policy
 from torch import nn
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+from transformers import AutoModelForCausalLM
 
 from shardtune.engine.nf4_layout import scaler_block
 from shardtune.engine.quantized import QuantizedFlat
 from shardtune.engine.shard import shard_model
-from shardtune.lora import is_adapter
+from shardtune.loading import build_empty, load_into_shards
+from shardtune.lora import apply_lora, is_adapter
+from shardtune.memory import CpuMemoryTracker
+from shardtune.parallelize import materialize_adapters
 
 NUM_STEPS = 8
 
@@ -32,15 +39,16 @@ def qlora_policy(model, **kw):
 
 
 def block_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The Linears QLoRA quantizes: inside the decoder blocks (not lm_head), frozen."""
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and ".layers." in n and not m.weight.requires_grad]
+    """The Linears QLoRA quantizes: inside the decoder blocks (not lm_head), not adapters."""
+    return [(n, m) for n, m in model.named_modules()  # peft's LoRA wrapper is not an nn.Linear; its base_layer is
+            if isinstance(m, nn.Linear) and ".layers." in n and ".lora_" not in n]
 
 
 def reference_nf4(weight: torch.Tensor, dtype: torch.dtype = torch.float32):
     return to_nf4(weight.detach().to(dtype), 64, scaler_block(weight.numel()))
 
 
+@functools.cache  # once per rank process: both parity settings of a spawn share it
 def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Single-process torchao QLoRA: per-step losses, adapters after each step, dequantized base weights."""
     ref = lora_model()
@@ -132,12 +140,53 @@ def _eval_no_grad() -> None:
     assert all(not f.is_full_allocated() for u in sharded.units for f in u.flats if isinstance(f, QuantizedFlat))
 
 
+def _load(root: str) -> None:
+    """model.init=pretrained + nf4: each rank quantizes while loading, per unit, reading each weight in chunks; peak
+    <= its shards + one bf16 tensor; the base equals to_nf4 of the checkpoint's weights, as the random-init path."""
+    path = Path(root) / "bf16"
+    if dist.get_rank() == 0:
+        build_model("tiny-llama", seed=3).to(torch.bfloat16).save_pretrained(path, max_shard_size="300KB")
+    dist.barrier()
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.bfloat16)
+    largest_bf16 = max(p.numel() for p in ref.parameters()) * 2
+    model = build_empty(lambda: AutoModelForCausalLM.from_config(ref.config, attn_implementation="eager",
+                                                                 dtype=torch.bfloat16))
+    apply_lora(model, LORA)
+    materialize_adapters(model, seed=0)  # as parallelize: peft created the adapters on meta too
+    tracker = CpuMemoryTracker().start()
+    start = tracker.live_bytes()
+    sharded = shard_model(model, qlora_policy(model, param_dtype=torch.bfloat16), device=torch.device("cpu"))
+    flats = [f for u in sharded.units for f in u.flats]
+    load_into_shards(flats, model, path)
+    peak = tracker.peak_bytes() - start
+    tracker.stop()
+    shard_bytes = sum(f.shard.nbytes for f in flats)
+    assert peak <= shard_bytes + largest_bf16, (peak, shard_bytes, largest_bf16)
+    full = dict(sharded.full_state_dict())
+    if dist.get_rank() == 0:
+        weights = dict(ref.named_parameters())
+        for name, m in block_linears(ref):
+            got = full[_peft_name(full, name)]
+            torch.testing.assert_close(got, reference_nf4(m.weight, torch.bfloat16).get_original_weight(), rtol=0,
+                                       atol=0)
+        assert full["model.embed_tokens.weight"].dtype == torch.bfloat16  # the root is not quantized
+        torch.testing.assert_close(full["model.embed_tokens.weight"], weights["model.embed_tokens.weight"].detach())
+
+
+def _peft_name(full: dict, name: str) -> str:
+    """HF name of a block Linear -> the name it has in the LoRA model (targeted ones hold it as base_layer)."""
+    lora = f"{name}.base_layer.weight"
+    return lora if lora in full else f"{name}.weight"
+
+
 def _all(kind: str, **kw) -> None:
-    {"parity": _parity, "bytes": _bytes, "eval": _eval_no_grad}[kind](**kw)
+    {"parity": _parity, "bytes": _bytes, "eval": _eval_no_grad, "load": _load}[kind](**kw)
 
 
 def test_qlora_2_ranks() -> None:
-    run_distributed(_all, 2, [dict(kind="parity", strategy="full_shard"), dict(kind="bytes"), dict(kind="eval")])
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_all, 2, [dict(kind="parity", strategy="full_shard"), dict(kind="bytes"), dict(kind="eval"),
+                                  dict(kind="load", root=tmp)])
 
 
 def test_qlora_4_ranks() -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from shardtune.engine.api import ShardingPolicy
-from shardtune.engine.nf4_layout import quantizable
+from shardtune.engine.nf4_layout import BLOCK_BYTES, Nf4Layout, quantizable
 from shardtune.engine.wrap import find_units
 from shardtune.errors import UserError
 
@@ -132,10 +132,12 @@ class UnitLayout:
     is_root: bool
     trainable: FlatLayout | None
     frozen: FlatLayout | None
+    quantized: FlatLayout | None = None  # NF4 bytes (uint8) of the frozen Linear weights under quantize_base
+    quantized_weights: tuple[tuple[str, torch.Size], ...] = ()  # (name, shape) of each weight in `quantized`
 
     @property
     def flats(self) -> list[FlatLayout]:
-        return [f for f in (self.trainable, self.frozen) if f is not None]
+        return [f for f in (self.trainable, self.frozen, self.quantized) if f is not None]
 
     def padded_numel(self) -> int:
         return sum(f.padded_numel for f in self.flats)
@@ -158,8 +160,20 @@ def unit_layouts(module: nn.Module, policy: ShardingPolicy, shard_size: int) -> 
         for entries, grad, num_decay in up.flat_groups():
             flats[grad] = flat_layout(entries, requires_grad=grad, num_decay=num_decay, shard_size=shard_size)
         out.append(UnitLayout(name=path[id(up.module)], is_root=up.is_root, trainable=flats.get(True),
-                              frozen=flats.get(False)))
+                              frozen=flats.get(False), quantized=quantized_layout(up.quantized, policy, shard_size),
+                              quantized_weights=tuple((n, p.shape) for n, p, _ in up.quantized)))
     return out
+
+
+def quantized_layout(entries: list[Entry], policy: ShardingPolicy, shard_size: int) -> FlatLayout | None:
+    """The NF4 byte buffer of a unit (engine/quantized.py): each weight's region, padded to whole 32-byte code
+    blocks per rank. Dequantized dtype = the compute dtype (sizes its scale factors)."""
+    if not entries:
+        return None
+    numel = sum(Nf4Layout.of(p.shape, policy.mixed_precision.param_dtype).nbytes for _, p, _ in entries)
+    pad = padded(numel, shard_size * BLOCK_BYTES)
+    return FlatLayout(numel=numel, padded_numel=pad, shard_numel=pad // shard_size, dtype=torch.uint8,
+                      requires_grad=False, decay_numel=0)
 
 
 def _elem(dtype: torch.dtype) -> int:

@@ -29,19 +29,26 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # noqa: E
 
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, scaler_block  # noqa: E402
 
-CHUNK = 1 << 20  # elements quantized at once: bounds the temporaries (~40 bytes per element in bf16) to ~40 MiB
+CHUNK = 1 << 20  # most elements quantized at once: torchao's nearest-level search holds ~50 B/element (bf16)
+
+
+def chunk_numel(numel: int) -> int:
+    """Elements per quantization chunk: whole blocks, at most 1/64 of the weight (so the temporaries, ~50 B per
+    element, stay under the weight's own bf16 bytes: the loader's bound) and at most CHUNK."""
+    return max(BLOCK, min(CHUNK, numel // 64 // BLOCK * BLOCK))
 
 
 def quantize_into(out: torch.Tensor, read: Callable[[int, int], torch.Tensor], layout: Nf4Layout) -> None:
     """Write the NF4 parts of a weight into `out` (uint8, numel layout.nbytes). `read(start, length)` returns that
-    flat range of the weight (any float dtype, any device); it is read twice (absmaxes, then codes), CHUNK at a time.
+    flat range of the weight (any float dtype, any device); it is read twice (absmaxes, then codes), a chunk at a time.
     """
     n, dtype = layout.numel, layout.dtype
+    step = chunk_numel(n)
     # Pass 1: per-block absmax over the whole tensor (n/64 values), then torchao's double quantization of it. Fed a
     # vector of absmaxes with block size 1, `double_quantize_scalers` computes exactly what it computes for the whole
     # tensor (the absmax of a 1-element block of a non-negative value is that value).
-    absmax = torch.cat([read(a, min(CHUNK, n - a)).to(out.device, dtype).view(-1, BLOCK).abs().amax(dim=1)
-                        for a in range(0, n, CHUNK)])
+    absmax = torch.cat([read(a, min(step, n - a)).to(out.device, dtype).view(-1, BLOCK).abs().amax(dim=1)
+                        for a in range(0, n, step)])
     q_scalers, factors, mean = NF4Tensor.double_quantize_scalers(absmax, 1, scaler_block(n))
     del absmax
     out[layout.scalers:layout.scalers + q_scalers.numel()].copy_(q_scalers.view(torch.uint8))
@@ -50,8 +57,8 @@ def quantize_into(out: torch.Tensor, read: Callable[[int, int], torch.Tensor], l
     out[layout.mean:layout.mean + e].view(dtype).copy_(mean.reshape(1))
     # Pass 2: codes, chunk by chunk (a block's codes depend only on that block).
     nf4 = codebook(dtype, out.device)
-    for a in range(0, n, CHUNK):
-        m = min(CHUNK, n - a)
+    for a in range(0, n, step):
+        m = min(step, n - a)
         chunk = read(a, m).to(out.device, dtype)
         codes = NF4Tensor.convert_to_norm_float_weight(chunk, m // BLOCK, BLOCK, nf4)
         out[layout.codes + a // 2:layout.codes + (a + m) // 2].copy_(codes)
