@@ -150,9 +150,12 @@ def _load(root: str) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.bfloat16)
     largest_bf16 = max(p.numel() for p in ref.parameters()) * 2
     model = build_empty(lambda: AutoModelForCausalLM.from_config(ref.config, attn_implementation="eager",
-                                                                 dtype=torch.bfloat16))
+                                                                 dtype=torch.float32))
     apply_lora(model, LORA)
-    materialize_adapters(model, seed=0)  # as parallelize: peft created the adapters on meta too
+    materialize_adapters(model, seed=0)  # as parallelize: peft created the adapters on meta too (fp32)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)  # as parallelize under bf16 + LoRA (meta: no bytes)
     tracker = CpuMemoryTracker().start()
     start = tracker.live_bytes()
     sharded = shard_model(model, qlora_policy(model, param_dtype=torch.bfloat16), device=torch.device("cpu"))
