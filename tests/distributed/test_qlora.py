@@ -142,7 +142,9 @@ def _eval_no_grad() -> None:
 
 def _load(root: str) -> None:
     """model.init=pretrained + nf4: each rank quantizes while loading, per unit, reading each weight in chunks; peak
-    <= its shards + one bf16 tensor; the base equals to_nf4 of the checkpoint's weights, as the random-init path."""
+    <= its shards + one bf16 tensor (the tracker counts a safetensors slice as its whole tensor's storage, so any read
+    is "one tensor"), plus the chunk copied out of it (<= 1/64 of it) and its block absmaxes (1/64 of its elements);
+    the base equals to_nf4 of the checkpoint's weights, bit for bit."""
     path = Path(root) / "bf16"
     if dist.get_rank() == 0:
         build_model("tiny-llama", seed=3).to(torch.bfloat16).save_pretrained(path, max_shard_size="300KB")
@@ -164,7 +166,7 @@ def _load(root: str) -> None:
     peak = tracker.peak_bytes() - start
     tracker.stop()
     shard_bytes = sum(f.shard.nbytes for f in flats)
-    assert peak <= shard_bytes + largest_bf16, (peak, shard_bytes, largest_bf16)
+    assert peak <= shard_bytes + largest_bf16 * (1 + 2 / 64), (peak, shard_bytes, largest_bf16)
     full = dict(sharded.full_state_dict())
     if dist.get_rank() == 0:
         weights = dict(ref.named_parameters())

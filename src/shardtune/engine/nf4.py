@@ -38,31 +38,50 @@ def chunk_numel(numel: int) -> int:
     return max(BLOCK, min(CHUNK, numel // 64 // BLOCK * BLOCK))
 
 
-def quantize_into(out: torch.Tensor, read: Callable[[int, int], torch.Tensor], layout: Nf4Layout) -> None:
-    """Write the NF4 parts of a weight into `out` (uint8, numel layout.nbytes). `read(start, length)` returns that
-    flat range of the weight (any float dtype, any device); it is read twice (absmaxes, then codes), a chunk at a time.
-    """
+Writer = Callable[[int, torch.Tensor], None]  # (byte offset in the weight's region, uint8 bytes) -> store them
+
+
+def quantize_into(write: Writer, read: Callable[[int, int], torch.Tensor], layout: Nf4Layout,
+                  device: torch.device) -> None:
+    """Quantize one weight and hand its NF4 parts to `write`, piece by piece, at their offsets in the weight's
+    region (nf4_layout.py; alignment gaps are not written). `read(start, length)` returns that flat range of the
+    weight (any float dtype); it is read twice (absmaxes, then codes), a chunk at a time, and each chunk is copied
+    out of what `read` returned at once (a safetensors slice keeps its whole tensor's storage alive), so at any
+    time this holds one chunk, its temporaries and the absmax vector (n/64 values), never the whole weight."""
     n, dtype = layout.numel, layout.dtype
     step = chunk_numel(n)
+
+    def chunk(a: int, m: int) -> torch.Tensor:
+        return read(a, m).to(device=device, dtype=dtype, copy=True)  # own storage: the source dies here
+
     # Pass 1: per-block absmax over the whole tensor (n/64 values), then torchao's double quantization of it. Fed a
     # vector of absmaxes with block size 1, `double_quantize_scalers` computes exactly what it computes for the whole
     # tensor (the absmax of a 1-element block of a non-negative value is that value).
-    absmax = torch.cat([read(a, min(step, n - a)).to(out.device, dtype).view(-1, BLOCK).abs().amax(dim=1)
-                        for a in range(0, n, step)])
+    absmax = torch.cat([chunk(a, min(step, n - a)).view(-1, BLOCK).abs().amax(dim=1) for a in range(0, n, step)])
     q_scalers, factors, mean = NF4Tensor.double_quantize_scalers(absmax, 1, scaler_block(n))
     del absmax
-    out[layout.scalers:layout.scalers + q_scalers.numel()].copy_(q_scalers.view(torch.uint8))
-    e = mean.element_size()
-    out[layout.factors:layout.factors + factors.numel() * e].view(dtype).copy_(factors.reshape(-1))
-    out[layout.mean:layout.mean + e].view(dtype).copy_(mean.reshape(1))
+    write(layout.scalers, q_scalers.view(torch.uint8))
+    write(layout.factors, _bytes(factors))
+    write(layout.mean, _bytes(mean))
     # Pass 2: codes, chunk by chunk (a block's codes depend only on that block).
-    nf4 = codebook(dtype, out.device)
+    nf4 = codebook(dtype, device)
     for a in range(0, n, step):
         m = min(step, n - a)
-        chunk = read(a, m).to(out.device, dtype)
-        codes = NF4Tensor.convert_to_norm_float_weight(chunk, m // BLOCK, BLOCK, nf4)
-        out[layout.codes + a // 2:layout.codes + (a + m) // 2].copy_(codes)
-        del chunk, codes
+        codes = NF4Tensor.convert_to_norm_float_weight(chunk(a, m), m // BLOCK, BLOCK, nf4)
+        write(layout.codes + a // 2, codes)
+        del codes
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A fresh dense copy of `t`'s values as uint8 (torchao's factors can be a strided 1-element view)."""
+    return torch.empty(t.numel(), dtype=t.dtype, device=t.device).copy_(t.reshape(-1)).view(torch.uint8)
+
+
+def quantize(read: Callable[[int, int], torch.Tensor], layout: Nf4Layout, device: torch.device) -> torch.Tensor:
+    """The weight's whole region (uint8, layout.nbytes; zero gaps)."""
+    region = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+    quantize_into(lambda off, b: region[off:off + b.numel()].copy_(b), read, layout, device)
+    return region
 
 
 _CODEBOOK: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

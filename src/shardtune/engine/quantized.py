@@ -83,18 +83,22 @@ class QuantizedFlat:
                 yield i, a - s.offset, a - lo, b - a
 
     def fill(self, reader: Callable[[str], Reader], *, only: set[str] | None = None) -> None:
-        """Quantize every weight with bytes in this rank's shard and keep those bytes. A weight is read through
-        `reader(name)` in chunks; it costs its region (~0.52 B/weight) plus one chunk's temporaries at a time."""
+        """Quantize every weight with bytes in this rank's shard and keep those bytes (written straight into the
+        shard). A weight is read through `reader(name)` in chunks: one chunk's temporaries at a time."""
         from shardtune.engine import nf4  # torchao: imported only when a base is quantized
 
         for i, start, s_start, n in self.pieces():
             slot = self.slots[i]
             if only is not None and slot.name not in only:
                 continue
-            region = torch.zeros(slot.numel, dtype=torch.uint8, device=self.shard.device)  # zero alignment gaps
-            nf4.quantize_into(region, reader(slot.name), slot.layout)
-            self.shard[s_start:s_start + n].copy_(region[start:start + n])
-            del region
+
+            def write(off: int, data: torch.Tensor, start=start, s_start=s_start, n=n) -> None:
+                """Keep the part of [off, off + len) that falls in this rank's piece [start, start + n)."""
+                a, b = max(off, start), min(off + data.numel(), start + n)
+                if a < b:
+                    self.shard[s_start + a - start:s_start + b - start].copy_(data[a - off:b - off])
+
+            nf4.quantize_into(write, reader(slot.name), slot.layout, self.shard.device)
 
     # -- unsharded buffer (as FlatParam) ---------------------------------------------------------------------------
     def is_full_allocated(self) -> bool:
