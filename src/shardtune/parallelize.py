@@ -79,6 +79,12 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
 
         if pretrained is not None:
             load_full(model, pretrained, device)  # FSDP2 path: every rank reads the whole model, then shards
+        if policy.quantize_base:  # QLoRA on FSDP2: the same weights as NF4Tensor parameters (torchao's FSDP2 hooks)
+            from shardtune.engine.layout import group_unit_params
+            from shardtune.engine.nf4 import quantize_parameters
+
+            quantize_parameters(model, [e for up in group_unit_params(model, policy) for e in up.quantized],
+                                policy.mixed_precision.param_dtype)
         return torch_backend.shard_model(model, policy, device=device)
     from shardtune.engine import shard
 

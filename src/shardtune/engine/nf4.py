@@ -25,6 +25,7 @@ quiet_imports.install()  # before torchao's import logs its optional-kernel warn
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # noqa: E402
     NF4Tensor,
     SubclassTensorArgs,
+    to_nf4,
 )
 
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, scaler_block  # noqa: E402
@@ -116,3 +117,14 @@ def nf4_view(buf: torch.Tensor, layout: Nf4Layout) -> NF4Tensor:
 def dequantize(buf: torch.Tensor, layout: Nf4Layout) -> torch.Tensor:
     """The weight as the matmul sees it (layout.shape, layout.dtype)."""
     return nf4_view(buf, layout).get_original_weight()
+
+
+def quantize_parameters(module: torch.nn.Module, entries: list, dtype: torch.dtype) -> None:
+    """engine.backend=torch: replace each (name, param, locations) entry by a frozen `nn.Parameter(NF4Tensor)` for
+    FSDP2 to shard (torchao's fsdp_pre/post_all_gather gather its parts). `to_nf4` of the whole weight: the same
+    bytes our engine stores (quantize_into is bit-identical to it)."""
+    for _, p, locations in entries:
+        w = to_nf4(p.detach().to(dtype), BLOCK, scaler_block(p.numel()))
+        param = torch.nn.Parameter(w, requires_grad=False)
+        for m, attr in locations:
+            m._parameters[attr] = param

@@ -4,7 +4,7 @@ layout code size quantized buffers on a meta model without importing the impleme
 One weight of numel n (a multiple of BLOCK = 64) dequantized to dtype d (the compute dtype), one byte region:
     codes    uint8  n/2        two 4-bit codebook indices per byte; block k's 32 bytes at [32k, 32k+32)
     scalers  int8   n/64       per-block absmax, double-quantized (minus `mean`, times `factors`)
-    factors  d      n/64/sb    one per scaler block of sb blocks (256, or the largest power of 2 dividing n/64)
+    factors  d      n/64/sb    one per scaler block of sb blocks (256, smaller for small weights: scaler_block)
     mean     d      1          mean of the block absmaxes
 each part aligned to 8 bytes, the region padded to a whole number of 32-byte code blocks: ~0.516 bytes per weight
 for d = bf16 (vs 2 bytes). The 16-entry codebook is a constant, never stored.
@@ -27,13 +27,22 @@ def quantizable(shape: torch.Size) -> bool:
     return len(shape) == 2 and math.prod(shape) % BLOCK == 0
 
 
+FSDP2_MAX_SHARDS = 8  # engine.backend=torch splits every NF4 part by the shard count: keep them divisible
+
+
 def scaler_block(numel: int) -> int:
-    """Blocks per scaler block: 256, or the largest power of two dividing the number of blocks (small weights)."""
+    """Blocks per scaler block: 256 (QLoRA's), or for small weights the largest power of two that divides the number
+    of blocks into a multiple of 8 scaler blocks (else into whole ones). Depends on the weight only, never on the
+    world size: every world size and both backends quantize alike. (FSDP2 + torchao shards each NF4 part by rows,
+    which needs the factor count divisible by the shard count.)"""
     n_blocks = numel // BLOCK
-    sb = SCALER_BLOCK
-    while n_blocks % sb:
-        sb //= 2
-    return sb
+    for multiple in (FSDP2_MAX_SHARDS, 1):
+        sb = SCALER_BLOCK
+        while sb > 1 and n_blocks % (sb * multiple):
+            sb //= 2
+        if n_blocks % (sb * multiple) == 0:
+            return sb
+    return 1
 
 
 def _align(n: int, a: int = ALIGN) -> int:
