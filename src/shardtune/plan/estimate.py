@@ -260,8 +260,12 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         else:
             held = gathered(root) + unit_g[i] + (unit_g[i - 1] if i and s.prefetch else 0)
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad,
-                "gathered": held + offload_copy + dequant, "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
+                "gathered": held + offload_copy + nf4_extra, "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
                 + bsh + 2 * bsi}
+    # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
+    # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
+    # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).
+    nf4_extra = max(0, dequant - 2 * bsi)
     static = {"params": dev_params, "optimizer": dev_opt, "buffers": buffers}
     after_last_grad = {"gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
                        "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)}
