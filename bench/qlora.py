@@ -32,7 +32,7 @@ def run(name: str, extra: list[str], tmp: Path) -> dict:
     steps = [r for r in rows if "step_time_s" in r]
     return {"name": name, "step_s": statistics.median(r["step_time_s"] for r in steps[1:]),
             "peak": max(r.get("peak_mem_bytes", 0) for r in steps),
-            "comm": statistics.median(r.get("comm_bytes", -1) for r in steps[1:]), "loss": steps[-1]["loss"]}
+            "comm": statistics.median(r.get("comm_bytes") or -1 for r in steps[1:]), "loss": steps[-1]["loss"]}
 
 
 def main() -> None:
