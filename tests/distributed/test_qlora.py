@@ -5,7 +5,9 @@
   weight replaced by `to_nf4(weight)`), not our engine; adapters are bit-identical across ranks after every step;
 - the quantized base is the same at every world size: each rank's shard is its slice of the world-independent
   bytes, and the gathered, dequantized weights equal `to_nf4(weight)`'s exactly;
-- bytes: per-step all-gather bytes <= 0.30x and per-rank block base bytes <= 0.27x those of the bf16 base.
+- bytes: per-step all-gather bytes <= 0.30x and per-rank block base bytes <= 0.27x those of the bf16 base;
+- loading (model.init=pretrained) quantizes while reading: peak ~ shard + one bf16 tensor;
+- engine.backend=torch (FSDP2 + torchao NF4 parameters) trains to the same losses.
 """
 from __future__ import annotations
 
@@ -184,14 +186,32 @@ def _peft_name(full: dict, name: str) -> str:
     return lora if lora in full else f"{name}.weight"
 
 
+def _fsdp2() -> None:
+    """engine.backend=torch: the same NF4 weights as NF4Tensor parameters under FSDP2 (torchao's all-gather hooks)
+    train to the reference's losses."""
+    from shardtune.engine import torch_backend
+    from shardtune.engine.layout import group_unit_params
+    from shardtune.engine.nf4 import quantize_parameters
+
+    ref_losses, _, _ = _reference()
+    model = lora_model()
+    policy = qlora_policy(model)
+    quantize_parameters(model, [e for up in group_unit_params(model, policy) for e in up.quantized], torch.float32)
+    sharded = torch_backend.shard_model(model, policy, device=torch.device("cpu"))
+    opt = adamw(sharded.optimizer_param_groups(0.1))
+    for step in range(NUM_STEPS):
+        loss, _ = train_step(model, sharded, opt, step, accum=1, sync_each=True)
+        assert abs(loss - ref_losses[step]) <= 1e-5 * abs(ref_losses[step]), (step, loss, ref_losses[step])
+
+
 def _all(kind: str, **kw) -> None:
-    {"parity": _parity, "bytes": _bytes, "eval": _eval_no_grad, "load": _load}[kind](**kw)
+    {"parity": _parity, "bytes": _bytes, "eval": _eval_no_grad, "load": _load, "fsdp2": _fsdp2}[kind](**kw)
 
 
 def test_qlora_2_ranks() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_distributed(_all, 2, [dict(kind="parity", strategy="full_shard"), dict(kind="bytes"), dict(kind="eval"),
-                                  dict(kind="load", root=tmp)])
+                                  dict(kind="load", root=tmp), dict(kind="fsdp2")])
 
 
 def test_qlora_4_ranks() -> None:
