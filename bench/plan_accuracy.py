@@ -1,6 +1,7 @@
 """`shardtune plan` vs measured peak memory on CPU, over the validation grid (shardtune/plan/accuracy.py).
 
     .venv/bin/python bench/plan_accuracy.py            # ~13 configurations, world sizes 1/2/4, ~3 min on 2 cores
+    .venv/bin/python bench/plan_accuracy.py --qlora    # the separate QLoRA table (6 configurations)
 
 Prints a markdown table (predicted, measured = max over steps of `peak_mem_bytes` from `train.profile_memory=true`,
 error) and the worst error. Goal: within +-5 %.
@@ -10,14 +11,16 @@ from __future__ import annotations
 import argparse
 import time
 
-from shardtune.plan.accuracy import default_grid, run
+from shardtune.plan.accuracy import default_grid, qlora_grid, run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, nargs="*", help="only these world sizes")
+    parser.add_argument("--qlora", action="store_true", help="the QLoRA table (lora.quantize_base=nf4) instead")
     args = parser.parse_args()
-    cases = [c for c in default_grid() if not args.world or c.world in args.world]
+    grid = qlora_grid() if args.qlora else default_grid()
+    cases = [c for c in grid if not args.world or c.world in args.world]
     t0 = time.perf_counter()
     rows = run(cases)
     print("| configuration | predicted MB | measured MB | error |")

@@ -53,7 +53,8 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
          json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (fields of DESIGN.md section 1)."),
          fit: bool = typer.Option(False, "--fit", help="Search strategy x checkpointing x offload x micro-batch at "
                                   "the recipe's global batch; list the fitting ones, fastest first."),
-         lora: bool = typer.Option(False, "--lora", help="With --fit: also try toggling lora.enabled."),
+         lora: bool = typer.Option(False, "--lora", help="With --fit: also try LoRA over a bf16 base, over an NF4 base "
+                                   "(lora.quantize_base=nf4) and none."),
          png: Path | None = typer.Option(None, "--png", help="Write a stacked-bar chart (per phase) to this PNG."),
          top: int = typer.Option(10, "--top", help="With --fit: how many candidates to show."),
          ) -> None:

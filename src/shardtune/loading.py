@@ -104,6 +104,9 @@ def load_into_shards(flats: list[Any], module: nn.Module, path: Path) -> None:
             raise UserError(f"model.path: '{path}' lacks {len(missing)} weight(s) the model needs, e.g. "
                             f"{missing[:3]}: is it a checkpoint of this architecture?")
         for flat in flats:
+            if hasattr(flat, "fill"):  # NF4 base (engine/quantized.py): each weight read in chunks and quantized
+                flat.fill(lambda name: _range_reader(ckpt, checkpoint_key(name)))
+                continue
             for i, p_start, s_start, n in flat.pieces():
                 key = checkpoint_key(flat.slots[i].name)
                 piece = read_flat_range(ckpt.handle(key), key, p_start, n)
@@ -129,6 +132,11 @@ def _check_same_files(ckpt: CheckpointFiles, keys: list[str], device: torch.devi
         if len(shape) <= 1:
             h.update(sl[:])
     check_same_on_all_ranks([(f"model.path '{ckpt.path}' (shapes and 1-D weights)", h.value())], device)
+
+
+def _range_reader(ckpt: CheckpointFiles, key: str) -> Any:
+    handle = ckpt.handle(key)
+    return lambda start, length: read_flat_range(handle, key, start, length)
 
 
 def load_full(module: nn.Module, path: Path, device: torch.device) -> None:

@@ -25,7 +25,8 @@ from shardtune.seeded_init import init_full, init_into_shards
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, lora: bool = False) -> ShardingPolicy:
+def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, lora: bool = False,
+                    quantize_base: str | None = None) -> ShardingPolicy:
     # hybrid_shard without a size shards inside one node (torchrun's LOCAL_WORLD_SIZE: the ranks on this node,
     # joined by the fast intra-node links) and replicates across nodes.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -44,6 +45,7 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
         hybrid_shard_size=engine.hybrid_shard_size or (local_world_size if engine.strategy == "hybrid_shard" else None),
         # Under LoRA every trainable parameter is an adapter (peft froze the rest): keep them whole on each rank.
         replicated=(lambda name, p: is_adapter(name)) if lora else None,
+        quantize_base=quantize_base == "nf4",
     )
 
 
@@ -59,7 +61,8 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
             for p in model.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
-    policy = sharding_policy(engine, model, world_size, lora=recipe.lora.enabled)
+    policy = sharding_policy(engine, model, world_size, lora=recipe.lora.enabled,
+                             quantize_base=recipe.lora.quantize_base if recipe.lora.enabled else None)
     if engine.cpu_offload and device.type == "cpu":
         warnings.warn("engine.cpu_offload=true saves no memory on a CPU run (params, grads and optimizer state are "
                       "already on the host); the offload path still runs", stacklevel=2)
@@ -82,6 +85,12 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
             load_full(model, pretrained, device)  # FSDP2 path: every rank reads the whole model, then shards
         elif random_meta:
             init_full(model, seed=recipe.train.seed, dtype=init_dtype, device=device)  # whole, then sharded
+        if policy.quantize_base:  # QLoRA on FSDP2: the same weights as NF4Tensor parameters (torchao's FSDP2 hooks)
+            from shardtune.engine.layout import group_unit_params
+            from shardtune.engine.nf4 import quantize_parameters
+
+            quantize_parameters(model, [e for up in group_unit_params(model, policy) for e in up.quantized],
+                                policy.mixed_precision.param_dtype)
         return torch_backend.shard_model(model, policy, device=device)
     from shardtune.engine import shard
 

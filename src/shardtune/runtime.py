@@ -55,7 +55,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama", "shardtune.train")
+PRELOAD = ("shardtune", "torch", "torch.distributed", "transformers",  # shardtune first: its log filter (quiet_imports)
+           "transformers.models.llama.modeling_llama", "shardtune.train")
 
 
 def start_local_ranks(entry: Callable[..., None], args: tuple, nprocs: int, *, preload: Sequence[str] = PRELOAD) -> None:

@@ -7,12 +7,29 @@ One spawn per world size runs all its configurations through `shardtune.train.tr
 """
 from __future__ import annotations
 
+import pytest
+
 from shardtune.plan.accuracy import default_grid, run
 
 
 def test_plan_predicts_measured_peak_within_5_percent(tmp_path) -> None:
     cases = default_grid()
     assert len(cases) >= 12 and {c.world for c in cases} == {1, 2, 4}
+    rows = run(cases, tmp_path)
+    table = "\n".join(f"{r['name']:<34} predicted {r['predicted']:>11,} measured {r['measured']:>11,} "
+                      f"{r['error']:+.1%}" for r in rows)
+    print(table)
+    assert all(abs(r["error"]) <= 0.05 for r in rows), table
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: 'w4 qlora bf16 mb1 s128 ckpt' measured 11.56 MB vs 10.77 MB "
+                   "predicted (-6.8 %); the other five rows are within -1.0..+1.5 % (bench/RESULTS.md, QLoRA)")
+def test_plan_predicts_qlora_peak_within_5_percent(tmp_path) -> None:
+    """A separate QLoRA table (lora.quantize_base=nf4): world 1/2/4 x checkpointing on/off x bf16/fp32."""
+    from shardtune.plan.accuracy import qlora_grid
+
+    cases = qlora_grid()
+    assert len(cases) >= 6 and {c.world for c in cases} == {1, 2, 4}
     rows = run(cases, tmp_path)
     table = "\n".join(f"{r['name']:<34} predicted {r['predicted']:>11,} measured {r['measured']:>11,} "
                       f"{r['error']:+.1%}" for r in rows)

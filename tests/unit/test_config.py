@@ -66,7 +66,7 @@ def test_public_surface_snapshot():
     assert EXPECTED_COMMANDS <= names
     keys = set(recipe_keys())
     assert {k for k in keys if "." not in k} == EXPECTED_SECTIONS
-    for k in ["model.config", "model.path", "model.tokenizer", "model.init", "lora.r", "lora.alpha",
+    for k in ["model.config", "model.path", "model.tokenizer", "model.init", "lora.r", "lora.alpha", "lora.quantize_base",
               "lora.target_modules", "engine.backend", "engine.strategy", "engine.hybrid_shard_size", "engine.wrap",
               "engine.mixed_precision", "engine.reduce_dtype", "engine.activation_checkpointing", "engine.cpu_offload",
               "engine.prefetch", "data.path", "data.format", "data.seq_len", "data.packing", "train.output_dir",

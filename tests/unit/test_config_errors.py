@@ -32,6 +32,8 @@ BAD_OVERRIDES = [
     (["model.init=pretrained"], "model.path"),  # conflicting options
     (["train.schedule=exp"], "train.schedule"),
     (["train.resume=/nonexistent/step_5"], "train.resume"),  # not a complete checkpoint
+    (["lora.quantize_base=nf4"], "lora.quantize_base"),  # QLoRA without LoRA
+    (["lora.enabled=true", "lora.quantize_base=int3"], "lora.quantize_base"),  # not a choice
     (["engine.wrap=[NoSuchLayer]"], None),  # checked when the model is built; validate accepts class names
 ]
 

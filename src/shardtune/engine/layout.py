@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardtune.engine.api import ShardingPolicy
+from shardtune.engine.nf4_layout import BLOCK_BYTES, Nf4Layout, quantizable
 from shardtune.engine.wrap import find_units
 from shardtune.errors import UserError
 
@@ -35,6 +36,7 @@ class UnitParams:
     decay: list[Entry] = field(default_factory=list)  # trainable, weight decay
     no_decay: list[Entry] = field(default_factory=list)  # trainable, no weight decay (norms, biases)
     frozen: list[Entry] = field(default_factory=list)  # requires_grad=False
+    quantized: list[Entry] = field(default_factory=list)  # frozen Linear weights stored as NF4 (quantize_base)
 
     def flat_groups(self) -> list[tuple[list[Entry], bool, int]]:
         """(entries in buffer order, requires_grad, num_decay) for each non-empty flat buffer: trainable first."""
@@ -78,7 +80,7 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
             p = params[k]
             entry = (names[k], p, locations[k])
             if not p.requires_grad:
-                up.frozen.append(entry)
+                (up.quantized if _is_quantized(policy, up, entry) else up.frozen).append(entry)
             elif policy.no_weight_decay(names[k], p):
                 up.no_decay.append(entry)
             else:
@@ -96,6 +98,14 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
 
 def _is_replicated(policy: ShardingPolicy, name: str, p: nn.Parameter) -> bool:
     return policy.replicated is not None and p.requires_grad and policy.replicated(name, p)
+
+
+def _is_quantized(policy: ShardingPolicy, up: UnitParams, entry: Entry) -> bool:
+    """quantize_base: a frozen weight of nn.Linear modules only, inside a unit (the root stays unquantized), whose
+    shape NF4 takes (2-D, whole blocks). The rest of the unit's frozen params (norms, biases) stay in `frozen`."""
+    _, p, locations = entry
+    return (policy.quantize_base and not up.is_root and quantizable(p.shape)
+            and all(isinstance(m, nn.Linear) and attr == "weight" for m, attr in locations))
 
 
 def replicated_params(module: nn.Module, policy: ShardingPolicy) -> list[tuple[str, nn.Parameter]]:
@@ -122,10 +132,12 @@ class UnitLayout:
     is_root: bool
     trainable: FlatLayout | None
     frozen: FlatLayout | None
+    quantized: FlatLayout | None = None  # NF4 bytes (uint8) of the frozen Linear weights under quantize_base
+    quantized_weights: tuple[tuple[str, torch.Size], ...] = ()  # (name, shape) of each weight in `quantized`
 
     @property
     def flats(self) -> list[FlatLayout]:
-        return [f for f in (self.trainable, self.frozen) if f is not None]
+        return [f for f in (self.trainable, self.frozen, self.quantized) if f is not None]
 
     def padded_numel(self) -> int:
         return sum(f.padded_numel for f in self.flats)
@@ -148,8 +160,20 @@ def unit_layouts(module: nn.Module, policy: ShardingPolicy, shard_size: int) -> 
         for entries, grad, num_decay in up.flat_groups():
             flats[grad] = flat_layout(entries, requires_grad=grad, num_decay=num_decay, shard_size=shard_size)
         out.append(UnitLayout(name=path[id(up.module)], is_root=up.is_root, trainable=flats.get(True),
-                              frozen=flats.get(False)))
+                              frozen=flats.get(False), quantized=quantized_layout(up.quantized, policy, shard_size),
+                              quantized_weights=tuple((n, p.shape) for n, p, _ in up.quantized)))
     return out
+
+
+def quantized_layout(entries: list[Entry], policy: ShardingPolicy, shard_size: int) -> FlatLayout | None:
+    """The NF4 byte buffer of a unit (engine/quantized.py): each weight's region, padded to whole 32-byte code
+    blocks per rank. Dequantized dtype = the compute dtype (sizes its scale factors)."""
+    if not entries:
+        return None
+    numel = sum(Nf4Layout.of(p.shape, policy.mixed_precision.param_dtype).nbytes for _, p, _ in entries)
+    pad = padded(numel, shard_size * BLOCK_BYTES)
+    return FlatLayout(numel=numel, padded_numel=pad, shard_numel=pad // shard_size, dtype=torch.uint8,
+                      requires_grad=False, decay_numel=0)
 
 
 def _elem(dtype: torch.dtype) -> int:

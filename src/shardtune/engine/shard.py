@@ -20,6 +20,7 @@ from shardtune.engine.collectives import all_gather_into, all_reduce_
 from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
 from shardtune.engine.flat_param import FlatParam
 from shardtune.engine.layout import group_unit_params, replicated_params
+from shardtune.engine.quantized import QuantizedFlat
 from shardtune.engine.replicated import ReplicatedParams
 from shardtune.engine.unit import EngineContext, Unit, group_size
 from shardtune.errors import UserError
@@ -114,7 +115,9 @@ class ShardtuneModel:
                     full.copy_(flat.shard)
                 else:
                     all_gather_into(full, flat.shard.to(self.ctx.device), self.ctx.shard_group, self.ctx.counter)
-                if rank0:
+                if rank0 and isinstance(flat, QuantizedFlat):
+                    yield from ((n, t.to("cpu", copy=True)) for n, t in flat.dequantized(full))  # what compute sees
+                elif rank0:
                     for s in flat.slots:
                         yield s.name, full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
                 del full
@@ -190,6 +193,9 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
         um = up.module
         flats = [FlatParam(entries, requires_grad=grad, num_decay=nd, shard_rank=shard_rank, shard_size=shard_size,
                            compute_dtype=compute, device=device, offload=policy.cpu_offload) for entries, grad, nd in up.flat_groups()]
+        if up.quantized:  # QLoRA base: NF4 bytes, one more frozen flat of the unit (engine/quantized.py)
+            flats.append(QuantizedFlat(up.quantized, nf4_dtype=compute, shard_rank=shard_rank, shard_size=shard_size,
+                                       device=device, offload=policy.cpu_offload))
         # The original parameters leave the module; `model.parameters()` now yields this rank's shard segments.
         for flat in flats:
             for slot in flat.slots:
@@ -198,7 +204,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
             for j, (decay_seg, _, _, seg) in enumerate(flat.segments):
                 um.register_parameter(f"_shardtune_flat_{'decay' if decay_seg else 'no_decay'}_{j}", seg)
             if not flat.requires_grad:
-                um.register_parameter("_shardtune_flat_frozen", nn.Parameter(flat.shard, requires_grad=False))
+                um.register_parameter(getattr(flat, "register_name", "_shardtune_flat_frozen"),
+                                      nn.Parameter(flat.shard, requires_grad=False))
         units.append(Unit(um, flats, ctx, index=-1 if up.is_root else i, is_root=up.is_root))
     ctx.units, ctx.root = units[:-1], units[-1]
     return ShardtuneModel(module, units, ctx, policy)

@@ -57,6 +57,25 @@ def default_grid() -> list[Case]:
     return cases
 
 
+# QLoRA (lora.quantize_base=nf4): a separate table, world 1/2/4 x checkpointing on/off x bf16/fp32 compute.
+QLORA = ("lora.enabled=true", "lora.r=8", "lora.quantize_base=nf4",
+         "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
+QLORA_GRID = [  # world, precision, micro-batch, seq_len, activation checkpointing
+    (1, "fp32", 1, 128, False), (1, "bf16", 2, 256, True),
+    (2, "fp32", 2, 128, True), (2, "bf16", 1, 256, False),
+    (4, "fp32", 1, 128, False), (4, "bf16", 1, 128, True),
+]
+
+
+def qlora_grid() -> list[Case]:
+    """QLoRA over an NF4 base, full_shard: the NF4 byte buffers, the gathered NF4 units and the dequantization
+    transient of every matmul are what this table checks beyond the LoRA row of the default grid."""
+    return [Case(f"w{w} qlora {mp_} mb{mb} s{s}" + (" ckpt" if ck else ""), w,
+                 ("engine.strategy=full_shard", f"engine.mixed_precision={mp_}", f"train.micro_batch_size={mb}",
+                  f"data.seq_len={s}", f"engine.activation_checkpointing={'true' if ck else 'false'}", *QLORA))
+            for w, mp_, mb, s, ck in QLORA_GRID]
+
+
 def recipe_overrides(case: Case, workdir: Path, index: int) -> list[str]:
     return [f"model.config={workdir / 'model.json'}", *BASE, f"launch.nproc_per_node={case.world}",
             f"train.output_dir={workdir / f'run{index}'}", *case.overrides]

@@ -27,6 +27,7 @@ Under LoRA the frozen base changes that set (lora_norms_mlp_bytes).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,7 @@ class Setup:
     prefetch: bool
     packing: bool
     device_is_cpu: bool
+    nf4: bool = False  # lora.quantize_base=nf4: the units' frozen Linear weights stored and gathered as NF4 bytes
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -71,7 +73,7 @@ class Setup:
                    checkpointing=e.activation_checkpointing, offload=e.cpu_offload, lora=r.lora.enabled,
                    micro_batch=r.train.micro_batch_size, seq_len=r.data.seq_len, grad_accum=r.train.grad_accum,
                    sync_every_microstep=e.sync_every_microstep, prefetch=e.prefetch, packing=r.data.packing,
-                   device_is_cpu=device_is_cpu)
+                   device_is_cpu=device_is_cpu, nf4=r.lora.enabled and r.lora.quantize_base == "nf4")
 
     @property
     def shard_size(self) -> int:
@@ -140,6 +142,15 @@ def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
     return norms, mlp
 
 
+def nf4_matmul_bytes(units: list[UnitLayout], c: int) -> int:
+    """The transient of a matmul over an NF4 weight of n elements (torchao's linear_nf4 -> get_original_weight, in
+    forward and again in backward for the input gradient): both nibble index tensors as int64 (8n), the two looked-up
+    halves, the two scaled halves and the stacked weight (3·c·n), the dequantized scalers (c·n/64). Measured with the
+    CPU tracker: 14.03 B/weight in bf16, 20.06 in fp32. The largest quantized weight sets it (the MLP's)."""
+    n = max((math.prod(shape) for u in units for _, shape in u.quantized_weights), default=0)
+    return n * (8 + 3 * c) + n * c // 64
+
+
 def root_activation_bytes(stats: ModelStats, s: Setup) -> int:
     """Saved outside the units: final norm, rotary cos/sin (shared by all layers), input ids."""
     d, bs = stats.dims, s.micro_batch * s.seq_len
@@ -152,12 +163,15 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     c = _size(s.compute)
     W = s.shard_size
     base_dtype = s.compute if s.lora else DTYPES[stats.recipe.model.dtype]
-    units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype)
+    units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora)
     *blocks, root = units
     aliased = W == 1
 
-    def gathered(u: UnitLayout) -> int:  # the unsharded buffer(s) of a unit, compute dtype
-        return sum(0 if aliased and f.dtype == s.compute else f.padded_numel * c for f in u.flats)
+    def gathered(u: UnitLayout) -> int:  # the unsharded buffer(s) of a unit: compute dtype, NF4 bytes as bytes
+        return sum(f.padded_numel if f.dtype == torch.uint8 else 0 if aliased and f.dtype == s.compute
+                   else f.padded_numel * c for f in u.flats)
+
+    dequant = nf4_matmul_bytes(units, c)
 
     shard_bytes = sum(f.shard_bytes() for u in units for f in u.flats)
     train_shard = sum(u.trainable.shard_numel for u in units if u.trainable)
@@ -246,8 +260,12 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         else:
             held = gathered(root) + unit_g[i] + (unit_g[i - 1] if i and s.prefetch else 0)
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad,
-                "gathered": held + offload_copy, "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
+                "gathered": held + offload_copy + nf4_extra, "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
                 + bsh + 2 * bsi}
+    # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
+    # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
+    # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).
+    nf4_extra = max(0, dequant - 2 * bsi)
     static = {"params": dev_params, "optimizer": dev_opt, "buffers": buffers}
     after_last_grad = {"gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
                        "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)}

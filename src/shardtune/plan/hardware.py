@@ -29,6 +29,7 @@ class HardwareProfile:
     intra_node_gbps: float  # GB/s per GPU between GPUs of one node
     inter_node_gbps: float  # GB/s per GPU between nodes
     pcie_gbps: float  # GB/s host <-> device
+    memory_gbps: float = 1000.0  # GB/s device memory bandwidth: NF4 dequantization is bound by it
 
     @property
     def is_cpu(self) -> bool:
@@ -46,4 +47,5 @@ def load_profile(key: str) -> HardwareProfile:
     data = yaml.safe_load(path.read_text())
     return HardwareProfile(key=key, name=data["name"], memory_bytes=int(data["memory_bytes"]),
                            bf16_tflops=float(data["bf16_tflops"]), intra_node_gbps=float(data["intra_node_gbps"]),
-                           inter_node_gbps=float(data["inter_node_gbps"]), pcie_gbps=float(data["pcie_gbps"]))
+                           inter_node_gbps=float(data["inter_node_gbps"]), pcie_gbps=float(data["pcie_gbps"]),
+                           memory_gbps=float(data.get("memory_gbps", 1000.0)))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from shardtune.config.load import load_recipe
@@ -67,7 +68,19 @@ class Plan:
             "headroom_bytes": self.headroom,
             "fits": self.fits,
             "advice": list(self.advice),
+            "quantized_base": quantized_summary(e) if self.setup.nf4 and self.setup.lora else None,
         }
+
+
+def quantized_summary(e: Estimate) -> dict:
+    """What lora.quantize_base=nf4 quantizes (the units' frozen Linear weights) and what stays unquantized."""
+    names = sorted({n.rsplit(".", 1)[0].replace(".base_layer", "").rsplit(".", 1)[-1]
+                    for u in e.units for n, _ in u.quantized_weights})
+    weights = sum(math.prod(shape) for u in e.units for _, shape in u.quantized_weights)
+    return {"format": "nf4", "modules": names, "weights": weights,
+            "bytes": sum(u.quantized.numel for u in e.units if u.quantized),  # codes + scales, unpadded
+            "per_rank_bytes": sum(u.quantized.shard_bytes() for u in e.units if u.quantized),  # with padding
+            "unquantized": "embeddings, norms, lm_head (engine.mixed_precision)"}
 
 
 def world_of(recipe: Recipe) -> tuple[int, int]:

@@ -31,8 +31,17 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console.print(f"[bold]{plan.stats.num_params:,}[/] params ({e.trainable_params:,} trainable), "
                   f"{len(e.units)} units; world {s.world} ({s.nodes} node(s)), shard group {s.shard_size}, "
                   f"{s.strategy}, {'bf16' if s.compute.itemsize == 2 else 'fp32'} compute, "
-                  f"checkpointing={s.checkpointing}, offload={s.offload}, lora={s.lora}, "
+                  f"checkpointing={s.checkpointing}, offload={s.offload}, lora={s.lora}"
+                  f"{' (nf4 base)' if s.nf4 and s.lora else ''}, "
                   f"micro-batch {s.micro_batch} x seq {s.seq_len}")
+    if s.nf4 and s.lora:
+        from shardtune.plan.planner import quantized_summary
+
+        q = quantized_summary(e)
+        console.print(f"NF4 base (lora.quantize_base=nf4): {q['weights']:,} weights of the decoder blocks' "
+                      f"{', '.join(q['modules'])} in {q['bytes'] / GiB:.2f} GiB of 4-bit codes + scales "
+                      f"({q['per_rank_bytes'] / GiB:.2f} GiB/rank, padded to whole blocks) instead of "
+                      f"{2 * q['weights'] / GiB:.2f} GiB bf16; dequantized per matmul; {q['unquantized']} unquantized")
     table = Table(title=f"per-rank peak memory ({e.peak_phase})")
     table.add_column("category")
     table.add_column("GiB", justify="right")

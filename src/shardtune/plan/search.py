@@ -11,11 +11,16 @@ Step-time model (an estimate for ranking, not a benchmark):
             shard across nodes; LoRA adds one all-reduce of the adapter gradients.
   offload   host->device copy of every shard before each all-gather and device->host of the gradient shard at
             PCIe bandwidth, plus AdamW on the host at 10 GB/s of optimizer-state traffic.
+  nf4       lora.quantize_base=nf4: all-gathers move NF4 bytes (~0.52 B/weight); every matmul over a quantized
+            weight dequantizes it first (torchao: ~2·(8 + 3·c) bytes of memory traffic per weight: int64 nibble
+            indices, looked-up and scaled halves, the stacked weight, written and read), in forward, in backward and
+            in the checkpointed recompute, at the device's memory bandwidth; it does not overlap the matmuls.
   step      max(compute, comm) + offload with prefetch on (comm overlaps compute), compute + comm + offload off.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from shardtune.plan.planner import GiB, Plan, variant
@@ -41,7 +46,7 @@ def step_time(plan: Plan) -> dict[str, float]:
     per_node = max(1, s.world // s.nodes)
     link = hw.intra_node_gbps if W <= per_node else hw.inter_node_gbps
     c = s.compute.itemsize
-    ag = sum(f.padded_numel * c for u in e.units for f in u.flats)  # one all-gather of every unit
+    ag = sum(f.padded_numel * (1 if f.dtype.itemsize == 1 else c) for u in e.units for f in u.flats)  # every unit
     rs = sum(u.trainable.padded_numel * s.reduce.itemsize for u in e.units if u.trainable)
     frac = (W - 1) / W if W > 1 else 0.0
     gathers = 2 if s.strategy in ("full_shard", "hybrid_shard") else 1
@@ -63,8 +68,12 @@ def step_time(plan: Plan) -> dict[str, float]:
         grads = sum(4 * u.trainable.shard_numel for u in e.units if u.trainable)
         offload = (gathers * s.grad_accum * shard + reduces * grads) / (hw.pcie_gbps * 1e9)
         offload += 16 * grads / 4 / (HOST_ADAM_GBPS * 1e9)
+    nf4_weights = sum(math.prod(shape) for u in e.units for _, shape in u.quantized_weights)
+    passes = 3 if s.checkpointing is not False else 2  # forward, backward (input grad), recompute
+    dequant = passes * s.grad_accum * nf4_weights * 2 * (8 + 3 * c) / (hw.memory_gbps * 1e9)
+    compute += dequant
     total = (max(compute, comm) if s.prefetch else compute + comm) + offload
-    return {"compute_s": compute, "comm_s": comm, "offload_s": offload, "step_s": total,
+    return {"compute_s": compute, "comm_s": comm, "offload_s": offload, "dequant_s": dequant, "step_s": total,
             "tokens_per_s": tokens * s.world / total if total else 0.0}
 
 
@@ -92,6 +101,9 @@ def advice(plan: Plan) -> list[str]:
         tries.append(("engine.mixed_precision=bf16", variant(plan, compute=torch.bfloat16)))
     if not s.lora:
         tries.append(("lora.enabled=true", variant(plan, lora=True)))
+        tries.append(("lora.enabled=true lora.quantize_base=nf4", variant(plan, lora=True, nf4=True)))
+    elif not s.nf4:
+        tries.append(("lora.quantize_base=nf4", variant(plan, nf4=True)))
     if s.strategy != "full_shard":
         tries.append(("engine.strategy=full_shard", variant(plan, strategy="full_shard")))
     mb = s.micro_batch
@@ -130,27 +142,31 @@ class Candidate:
                  f"train.grad_accum={s.grad_accum}"]
         if s.lora != self.plan.recipe.lora.enabled:
             parts.append(f"lora.enabled={'true' if s.lora else 'false'}")
+        if s.nf4 != (self.plan.recipe.lora.quantize_base == "nf4"):
+            parts.append(f"lora.quantize_base={'nf4' if s.nf4 else 'null'}")
         return " ".join(parts)
 
 
 def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
-    """strategy x checkpointing x offload x micro-batch (x LoRA) at the recipe's global batch; the ones that fit,
-    fastest first."""
+    """strategy x checkpointing x offload x micro-batch (x LoRA: bf16 or NF4 base) at the recipe's global batch;
+    the ones that fit, fastest first."""
     s = plan.setup
     per_rank_batch = s.micro_batch * s.grad_accum
     strategies = ["full_shard", "shard_grad_op", "no_shard"]
     if s.nodes > 1 or s.strategy == "hybrid_shard":
         strategies.append("hybrid_shard")
     micro = sorted({m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_rank_batch and per_rank_batch % m == 0})
-    loras = [s.lora, not s.lora] if try_lora else [s.lora]
+    # (lora, nf4): --lora adds LoRA over a bf16 base and over an NF4 base (QLoRA) to the recipe's own choice.
+    loras = [(s.lora, s.nf4)] + ([(lo, q) for lo, q in ((True, False), (True, True), (False, False))
+                                  if (lo, q) != (s.lora, s.nf4)] if try_lora else [])
     out = []
     for strategy in strategies:
         for ck in (False, True):
             for off in (False, True):
                 for m in micro:
-                    for lo in loras:
+                    for lo, q in loras:
                         setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off,
-                                                    micro_batch=m, grad_accum=per_rank_batch // m, lora=lo)
+                                                    micro_batch=m, grad_accum=per_rank_batch // m, lora=lo, nf4=q)
                         p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
                         if p.fits:
                             out.append(Candidate(p, step_time(p)))

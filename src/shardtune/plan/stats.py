@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardtune.config.schema import ModelConfig, Recipe
-from shardtune.engine.api import ShardingPolicy
+from shardtune.engine.api import MixedPrecision, ShardingPolicy
 from shardtune.engine.layout import UnitLayout, unit_layouts
 from shardtune.engine.wrap import resolve_unit_classes
 from shardtune.plan import skeleton
@@ -61,21 +61,24 @@ class ModelStats:
         self.recipe = recipe
         self.model, self.dims = build_meta_model(recipe.model)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # tied weights once
-        self._layouts: dict[tuple[int, bool, torch.dtype], list[UnitLayout]] = {}
+        self._layouts: dict[tuple[int, bool, torch.dtype, bool], list[UnitLayout]] = {}
 
     @cached_property
     def unit_classes(self) -> tuple[type[nn.Module], ...]:
         wrap = self.recipe.engine.wrap
         return resolve_unit_classes(self.model, list(wrap) if not isinstance(wrap, (str, int)) else wrap)
 
-    def layouts(self, shard_size: int, *, frozen_base: bool, base_dtype: torch.dtype) -> list[UnitLayout]:
+    def layouts(self, shard_size: int, *, frozen_base: bool, base_dtype: torch.dtype,
+                nf4: bool = False) -> list[UnitLayout]:
         """The engine's units for this shard-group size. `frozen_base`: every base param frozen (LoRA), in
-        `base_dtype`; else all trainable in the model dtype."""
-        key = (shard_size, frozen_base, base_dtype)
+        `base_dtype`; else all trainable in the model dtype. `nf4`: the units' frozen Linear weights as NF4 bytes
+        (lora.quantize_base=nf4), dequantized to `base_dtype`."""
+        key = (shard_size, frozen_base, base_dtype, nf4)
         if key not in self._layouts:
             wrap = self.recipe.engine.wrap
             policy = ShardingPolicy(unit_classes=self.unit_classes,
-                                    min_unit_params=wrap if isinstance(wrap, int) and not isinstance(wrap, bool) else None)
+                                    min_unit_params=wrap if isinstance(wrap, int) and not isinstance(wrap, bool) else None,
+                                    mixed_precision=MixedPrecision(param_dtype=base_dtype), quantize_base=nf4)
             saved = {id(p): (p.requires_grad, p.data) for p in self.model.parameters()}
             try:
                 for p in self.model.parameters():

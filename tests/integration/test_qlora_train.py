@@ -1,0 +1,61 @@
+"""QLoRA through the real CLI (the bundled tiny-qlora-cpu recipe: NF4 base + bf16 + activation checkpointing, 2 CPU
+workers): checkpoints hold adapters + optimizer only, resume is exact, `final/` and `shardtune export` are PEFT
+adapters that load onto the *bf16* (unquantized) base with PeftModel.from_pretrained."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from peft import PeftModel
+
+from shardtune.config.load import load_recipe
+from shardtune.model import build_model
+from tests.integration.runs import FAST, cli, losses
+
+RECIPE = "tiny-qlora-cpu"
+
+
+def train_args(run_dir: Path, *extra: str) -> list[str]:
+    return ["train", RECIPE, f"train.output_dir={run_dir}", "train.save_every=2", *FAST, "train.max_steps=4",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("qlora") / "reference"
+    proc = cli(*train_args(run_dir), cwd=run_dir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_qlora_checkpoint_resume_and_adapters(reference, tmp_path):
+    keys = set(dcp.FileSystemReader(str(reference / "checkpoints" / "step_4")).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith(("model.", "replicated."))}
+    assert model_keys and all(k.startswith("replicated.") and ".lora_" in k for k in model_keys), sorted(keys)[:5]
+    assert any(k.startswith("replicated_optim.") and k.endswith(".exp_avg") for k in keys)
+
+    run_dir = tmp_path / "run"  # resume from step 2: the base is re-quantized from the recipe, bit-identically
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_2", run_dir / "checkpoints" / "step_2")
+    (run_dir / "checkpoints" / "latest").write_text("step_2")
+    proc = cli(*train_args(run_dir), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert losses(run_dir) == {s: v for s, v in losses(reference).items() if s > 2}
+
+    out = tmp_path / "export"
+    proc = cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recipe = load_recipe(RECIPE)
+    ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        def bf16_base():  # the unquantized base the adapters were trained over (before NF4)
+            return build_model(recipe.model, seed=recipe.train.seed).to(torch.bfloat16).eval()
+        base = bf16_base()(input_ids=ids).logits
+        exported = PeftModel.from_pretrained(bf16_base(), str(out)).eval()(input_ids=ids).logits
+        final = PeftModel.from_pretrained(bf16_base(), str(reference / "final")).eval()(input_ids=ids).logits
+    torch.testing.assert_close(exported, final, rtol=0, atol=0)  # the same adapters, step 4
+    assert torch.isfinite(final).all() and not torch.allclose(final, base)  # and they changed the model
