@@ -89,6 +89,8 @@ def _fill_unit(model: nn.Module, unit, *, seed: int, dtype: torch.dtype, hasher:
     for flat in unit.flats:
         for slot in flat.slots:
             where[slot.name] = (flat, slot, [])
+        if hasattr(flat, "fill"):  # NF4 base (engine/quantized.py): its pieces are bytes, it quantizes itself
+            continue
         for i, p_start, s_start, n in flat.pieces():
             where[flat.slots[i].name][2].append((p_start, s_start, n))
     for path, attrs in _by_module(list(where)).items():
@@ -104,6 +106,10 @@ def _fill_unit(model: nn.Module, unit, *, seed: int, dtype: torch.dtype, hasher:
                 del module._parameters[a]
         for a, t in fresh.items():
             flat, _, pieces = where[_join(path, a)]
+            if hasattr(flat, "fill"):  # quantize the drawn weight in chunks, keep this rank's bytes
+                values = t.reshape(-1)
+                flat.fill(lambda _name, v=values: (lambda start, length: v[start:start + length]),
+                          only={_join(path, a)})
             for p_start, s_start, n in pieces:
                 flat.shard[s_start:s_start + n].copy_(t.reshape(-1)[p_start:p_start + n])  # casts (bf16 base)
             hasher.update(t)  # the full module, before it is freed: what every rank must agree on
