@@ -151,7 +151,8 @@ def slurm(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
 @app.command()
 def recipes() -> None:
     """List the bundled recipes with their one-line descriptions."""
-    from shardtune.config.load import RECIPES_DIR, bundled_description, list_bundled_recipes
+    from shardtune.bundled import RECIPES_DIR
+    from shardtune.config.load import bundled_description, list_bundled_recipes
 
     for name, path in list_bundled_recipes().items():
         typer.echo(f"{name:<36} {bundled_description(path)}  [{path.relative_to(RECIPES_DIR)}]")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune.config.load import PACKAGE_DIR
+from shardtune.bundled import CONFIGS_DIR
 from shardtune.config.schema import DataConfig, ModelConfig
 from shardtune.data import GlobalBatches, build_data
 from shardtune.data.batches import num_targets
@@ -54,7 +54,7 @@ def test_truncation_is_counted():
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_documents_do_not_attend_to_each_other(model_name, attn):
-    cfg = AutoConfig.from_pretrained(PACKAGE_DIR / f"configs/models/{model_name}.json")
+    cfg = AutoConfig.from_pretrained(CONFIGS_DIR / f"models/{model_name}.json")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
     a, b = torch.randint(4, 100, (5,)), torch.randint(4, 100, (7,))

@@ -15,12 +15,12 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from shardtune.bundled import DATA_DIR, RECIPES_DIR
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
-RECIPES_DIR = PACKAGE_DIR / "recipes"
-# Keys that name files; relative values resolve against the recipe's folder, then the cwd, then the package.
+# Keys that name files; relative values resolve against the cwd, then the recipe's folder, then the bundled data
+# (so `configs/models/llama-3.1-8b.json` names a shipped config from any recipe, anywhere).
 PATH_KEYS = ("model.config", "model.path", "model.tokenizer", "data.path")
 
 if not OmegaConf.has_resolver("now"):  # ${now:%Y%m%d-%H%M%S}; resolved once by the launcher, not per worker
@@ -96,11 +96,11 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
             _check_builtin(key, str(value))
             continue
         p = Path(str(value)).expanduser()
-        candidates = [p] if p.is_absolute() else [Path.cwd() / p, recipe_dir / p, PACKAGE_DIR / p]
+        candidates = [p] if p.is_absolute() else [Path.cwd() / p, recipe_dir / p, DATA_DIR / p]
         found = next((c for c in candidates if c.exists()), None)
         if found is None:
             raise UserError(f"{key}: file or folder '{value}' does not exist: fix the path (relative paths are "
-                            f"tried against the cwd, the recipe's folder and the package)")
+                            f"tried against the cwd, the recipe's folder and shardtune's bundled {DATA_DIR})")
         OmegaConf.update(cfg, key, str(found.resolve()))
 
 
