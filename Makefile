@@ -39,22 +39,23 @@ test-oldest:
 	.venv-oldest/bin/pip install -q -c $(LOWEST) -e '.[dev]'
 	.venv-oldest/bin/python -m pytest -q tests/unit
 
-# Re-resolve pyproject's ranges to the newest releases (torch stays pinned), run the fast tests with them, and only
-# then rewrite the pins. Commit the new constraints.txt after `make test` passes on it.
+# Re-resolve pyproject's ranges to the newest releases (torch stays pinned), write them as the pins, and run the
+# fast tests (which check the new pins against pyproject too); a failure puts the old pins back. Then run
+# `make clean test` and commit requirements/constraints.txt.
 upgrade-deps:
 	rm -rf .venv-upgrade
 	$(PY) -m venv .venv-upgrade
 	.venv-upgrade/bin/pip install -q --upgrade pip setuptools wheel
 	.venv-upgrade/bin/pip install -q $(TORCH)
 	.venv-upgrade/bin/pip install -q -e '.[dev]' $(TORCH)  # newest releases the ranges admit; torch held
-	.venv-upgrade/bin/python -m pytest -q -x tests/unit
+	cp $(CONSTRAINTS) $(CONSTRAINTS).old
 	{ echo "# Exact versions the suite passed with: the Makefile installs with -c $(CONSTRAINTS)."; \
 	  echo "# Written by 'make upgrade-deps' on $$(date -u +%F) (Python $$(.venv-upgrade/bin/python -c 'import platform; print(platform.python_version())'), $(TORCH) CPU); do not edit by hand."; \
 	  .venv-upgrade/bin/pip freeze --all --exclude-editable | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; \
-	} > $(CONSTRAINTS).new
-	mv $(CONSTRAINTS).new $(CONSTRAINTS)
-	rm -rf .venv-upgrade
-	@echo "pins rewritten: review 'git diff $(CONSTRAINTS)', run 'make test', commit"
+	} > $(CONSTRAINTS)
+	.venv-upgrade/bin/python -m pytest -q tests/unit || { mv $(CONSTRAINTS).old $(CONSTRAINTS); exit 1; }
+	rm -rf .venv-upgrade $(CONSTRAINTS).old
+	@echo "pins rewritten: review 'git diff $(CONSTRAINTS)', run 'make clean test', commit"
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_vs_fsdp2.py
