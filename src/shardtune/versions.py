@@ -26,16 +26,16 @@ def _torch_lines() -> list[str]:
     import torch.distributed as dist
 
     if torch.cuda.is_available():
-        cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"
+        cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), {torch.cuda.get_device_name(0)}"
     elif torch.version.cuda:
         cuda = f"CUDA {torch.version.cuda} build, no GPU visible"
     else:
-        cuda = "CPU-only build (no CUDA)"
+        cuda = "CPU-only build, no CUDA"
     nccl = "not available"
     if dist.is_available() and dist.is_nccl_available():
         nccl = "available, version " + ".".join(map(str, torch.cuda.nccl.version()))
     gloo = "available" if dist.is_available() and dist.is_gloo_available() else "not available"
-    return [f"torch {torch.__version__} ({cuda})", f"NCCL {nccl}; gloo {gloo}"]
+    return [f"torch {torch.__version__}: {cuda}", f"NCCL {nccl}; gloo {gloo}"]
 
 
 def version_report() -> str:
