@@ -32,7 +32,7 @@ def test_chat_trains_only_assistant_turns():
     ids, labels = encode_row({"messages": msgs}, DataConfig(format="chat"), TOK)
     trained = TOK.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
     assert trained == "yo</s>ok</s>"
-    assert ids == list(TOK.apply_chat_template(msgs, tokenize=True)["input_ids"])
+    assert ids == list(TOK.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
 
 
 def test_packing_resets_positions_and_masks_boundaries():
