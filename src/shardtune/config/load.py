@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf import __version__ as omegaconf_version
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from shardtune.bundled import DATA_DIR, RECIPES_DIR
@@ -24,7 +25,10 @@ from shardtune.errors import UserError
 PATH_KEYS = ("model.config", "model.path", "model.tokenizer", "data.path")
 
 if not OmegaConf.has_resolver("now"):  # ${now:%Y%m%d-%H%M%S}; resolved once by the launcher, not per worker
-    _register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+    # omegaconf 2.4 renamed register_new_resolver to register_resolver; 2.3's register_resolver is the legacy API.
+    # Each release warns (on stderr, before any one-line error) when given the other one.
+    _legacy = tuple(int(x) for x in omegaconf_version.split(".")[:2]) < (2, 4)
+    _register = OmegaConf.register_new_resolver if _legacy else OmegaConf.register_resolver
     _register("now", lambda fmt="%Y%m%d-%H%M%S": datetime.now().strftime(fmt))
 
 
