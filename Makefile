@@ -1,20 +1,24 @@
-# Everything a fresh machine needs: `make demo` and `make test` create .venv on first use.
+# Everything a fresh machine needs: `make demo` and `make test` create .venv on first use, with the exact versions
+# the suite passed with (requirements/constraints.txt). `make upgrade-deps` moves those pins to the newest releases.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch first, pinned: it is served from local disk; a bare range would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
+CONSTRAINTS := requirements/constraints.txt
+LOWEST := requirements/lowest.txt
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install demo test test-fast test-oldest upgrade-deps bench lint clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# pip, setuptools and wheel come from the pins too: setuptools builds the editable install.
+$(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c $(CONSTRAINTS) pip setuptools wheel
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +30,33 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
+# The lower bounds pyproject.toml promises to library users: every direct dependency at its oldest allowed
+# release (requirements/lowest.txt), in a venv of its own, against the fast tests.
+test-oldest:
+	rm -rf .venv-oldest
+	$(PY) -m venv .venv-oldest
+	.venv-oldest/bin/pip install -q $(TORCH)
+	.venv-oldest/bin/pip install -q -c $(LOWEST) -e '.[dev]'
+	.venv-oldest/bin/python -m pytest -q tests/unit
+
+# Re-resolve pyproject's ranges to the newest releases (torch stays pinned), write them as the pins, and run the
+# fast tests (which check the new pins against pyproject too); a failure puts the old pins back. Then run
+# `make clean test` and commit requirements/constraints.txt.
+upgrade-deps:
+	rm -rf .venv-upgrade
+	$(PY) -m venv .venv-upgrade
+	.venv-upgrade/bin/pip install -q --upgrade pip setuptools wheel
+	.venv-upgrade/bin/pip install -q $(TORCH)
+	.venv-upgrade/bin/pip install -q -e '.[dev]' $(TORCH)  # newest releases the ranges admit; torch held
+	cp $(CONSTRAINTS) $(CONSTRAINTS).old
+	{ echo "# Exact versions the suite passed with: the Makefile installs with -c $(CONSTRAINTS)."; \
+	  echo "# Written by 'make upgrade-deps' on $$(date -u +%F) (Python $$(.venv-upgrade/bin/python -c 'import platform; print(platform.python_version())'), $(TORCH) CPU); do not edit by hand."; \
+	  .venv-upgrade/bin/pip freeze --all --exclude-editable | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; \
+	} > $(CONSTRAINTS)
+	.venv-upgrade/bin/python -m pytest -q tests/unit || { mv $(CONSTRAINTS).old $(CONSTRAINTS); exit 1; }
+	rm -rf .venv-upgrade $(CONSTRAINTS).old
+	@echo "pins rewritten: review 'git diff $(CONSTRAINTS)', run 'make clean test', commit"
+
 bench: $(STAMP)
 	$(BIN)/python bench/engine_vs_fsdp2.py
 
@@ -33,4 +64,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .venv-oldest .venv-upgrade runs build *.egg-info src/*.egg-info

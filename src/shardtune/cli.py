@@ -1,4 +1,10 @@
-"""The `shardtune` command. Each command is a thin layer over a module; errors become one line + exit 2."""
+"""The `shardtune` command. Each command is a thin layer over a module.
+
+Usage errors (unknown command or option, a missing argument, a value of the wrong type or out of range) are
+typer's own: it prints the usage line and one error, exit 2. A `UserError` from a command (a bad recipe key, a
+missing file) is one line on stderr, exit 2. Help texts are one string per paragraph so that rich wraps them to
+the terminal; every option's help says its default.
+"""
 from __future__ import annotations
 
 import sys
@@ -6,29 +12,48 @@ from pathlib import Path
 
 import typer
 
+from shardtune import __version__
 from shardtune.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Config-driven LLM fine-tuning with its own FSDP engine.")
+                  help=f"Config-driven LLM fine-tuning with its own FSDP engine (shardtune {__version__}).")
 
 RECIPE = typer.Argument(..., help="A recipe YAML path or the name of a bundled recipe (see `shardtune recipes`).")
-OVERRIDES = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.lr=1e-4 engine.strategy=no_shard.")
+OVERRIDES = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.lr=1e-4 engine.strategy=no_shard "
+                           "(default: none).")
 
 
-@app.command()
+def _print_version(value: bool) -> None:
+    if value:
+        from shardtune.versions import version_report  # imports torch: only when asked
+
+        typer.echo(version_report())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the versions of shardtune, Python, torch (CUDA, NCCL), "
+                                       "transformers and the libraries a bug report needs, then exit (default: off).")
+          ) -> None:
+    pass
+
+
+TRAIN_HELP = (
+    "Train: starts launch.nproc_per_node workers via torchrun (or runs as one inside torchrun/srun).\n\n"
+    "Before the workers start, the plan runs on the detected hardware (a second or two) and prints a one-line fit "
+    "summary; a recipe that does not fit is refused with the plan's advice and exit code 3.")
+
+
+@app.command(help=TRAIN_HELP)
 def train(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
           fit: bool = typer.Option(False, "--fit", help="Apply the fastest configuration `plan --fit` finds on the "
                                    "detected hardware at the recipe's global batch (strategy, checkpointing, "
-                                   "offload, micro-batch x grad_accum) and record it in the run's recipe.yaml. "
-                                   "Default: off."),
+                                   "offload, micro-batch x grad_accum) and record it in the run's recipe.yaml "
+                                   "(default: off)."),
           no_check: bool = typer.Option(False, "--no-check", help="Launch even if the pre-flight plan says the "
                                         "recipe does not fit the detected GPU or host RAM (default: refuse, exit 3)."),
           ) -> None:
-    """Train: starts launch.nproc_per_node workers via torchrun (or runs as one inside torchrun/srun).
-
-    Before the workers start, the plan runs on the detected hardware (a second or two) and prints a one-line fit
-    summary; a recipe that does not fit is refused with the plan's advice and exit code 3.
-    """
     from shardtune.config.load import load_recipe_config
     from shardtune.launch import launch_train
 
@@ -48,29 +73,31 @@ def validate(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> N
                f"engine={r.engine.backend}/{r.engine.strategy}, output_dir={r.train.output_dir})")
 
 
-@app.command()
+PLAN_HELP = (
+    "Predict the per-rank peak memory of a recipe on `hardware.gpu` x world size; exit 0 fits, 3 does not.\n\n"
+    "The model is built on the meta device (no weights). Memory model: sharded fp32 master params, grads and AdamW "
+    "state (frozen bf16 base under LoRA, replicated fp32 adapters), the gathered units held at each moment "
+    "(+ prefetch), every activation autograd saves for HF Llama/Mistral/Qwen2 blocks, the fp32 logits copy, "
+    "log-softmax and its gradient, and the optimizer's temporaries; the peak is the largest of the phases of a step. "
+    "Fits when peak <= capacity - 5 % allocator slack - 1 GiB CUDA context (GPUs). On CPU (launch.device=cpu) the "
+    "total predicts what train.profile_memory measures.\n\n"
+    "--fit step time: FLOPs (6N/token, 4N with LoRA, +2N with checkpointing, + attention) at 40 % of the profile's "
+    "bf16 TFLOP/s (fp32: a quarter), ring collectives at the intra-/inter-node bandwidth (overlapped with compute "
+    "when prefetch is on), offload copies at PCIe bandwidth and host AdamW at 10 GB/s.")
+
+
+@app.command(help=PLAN_HELP)
 def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
-         json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (fields of DESIGN.md section 1)."),
+         json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON: model, world_size, per_rank "
+                                       "bytes by category, host bytes, capacity_bytes, fits, advice (default: off)."),
          fit: bool = typer.Option(False, "--fit", help="Search strategy x checkpointing x offload x micro-batch at "
-                                  "the recipe's global batch; list the fitting ones, fastest first."),
+                                  "the recipe's global batch; list the fitting ones, fastest first (default: off)."),
          lora: bool = typer.Option(False, "--lora", help="With --fit: also try LoRA over a bf16 base, over an NF4 base "
-                                   "(lora.quantize_base=nf4) and none."),
-         png: Path | None = typer.Option(None, "--png", help="Write a stacked-bar chart (per phase) to this PNG."),
-         top: int = typer.Option(10, "--top", help="With --fit: how many candidates to show."),
+                                   "(lora.quantize_base=nf4) and none (default: off)."),
+         png: Path | None = typer.Option(None, "--png", help="Write a stacked-bar chart (per phase) to this PNG "
+                                         "(default: no chart)."),
+         top: int = typer.Option(10, "--top", min=1, help="With --fit: how many candidates to show."),
          ) -> None:
-    """Predict the per-rank peak memory of a recipe on `hardware.gpu` x world size; exit 0 fits, 3 does not.
-
-    The model is built on the meta device (no weights). Memory model: sharded fp32 master params, grads and AdamW
-    state (frozen bf16 base under LoRA, replicated fp32 adapters), the gathered units held at each moment
-    (+ prefetch), every activation autograd saves for HF Llama/Mistral/Qwen2 blocks, the fp32 logits copy,
-    log-softmax and its gradient, and the optimizer's temporaries; the peak is the largest of five phases of a
-    step. Fits when peak <= capacity - 5 % allocator slack - 1 GiB CUDA context (GPUs). On CPU
-    (launch.device=cpu) the total predicts what train.profile_memory measures.
-
-    --fit step time: FLOPs (6N/token, 4N with LoRA, +2N with checkpointing, + attention) at 40 % of the profile's
-    bf16 TFLOP/s (fp32: a quarter), ring collectives at the intra-/inter-node bandwidth (overlapped with compute
-    when prefetch is on), offload copies at PCIe bandwidth and host AdamW at 10 GB/s.
-    """
     import json
 
     from shardtune.plan import make_plan
@@ -111,13 +138,19 @@ def _print_fit(found: list, p) -> None:
 
 @app.command()
 def slurm(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
-          nodes: int = typer.Option(..., "--nodes", help="Nodes in the job (one task per node, each runs torchrun)."),
-          gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node (= workers per node)."),
-          partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
-          time: str | None = typer.Option(None, "--time", help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS."),
-          account: str | None = typer.Option(None, "--account", help="SLURM account to charge."),
+          nodes: int = typer.Option(..., "--nodes", min=1, help="Nodes in the job (one task per node, each runs "
+                                    "torchrun); required, no default."),
+          gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", min=1, help="GPUs per node = workers per "
+                                                   "node (default: none, a CPU job)."),
+          partition: str | None = typer.Option(None, "--partition", help="SLURM partition (default: the "
+                                               "cluster's default partition)."),
+          time: str | None = typer.Option(None, "--time", help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS "
+                                          "(default: the partition's limit)."),
+          account: str | None = typer.Option(None, "--account", help="SLURM account to charge (default: your "
+                                             "default account)."),
           out: Path | None = typer.Option(None, "-o", "--output", help="Write the script here (default: stdout)."),
-          force: bool = typer.Option(False, "--force", help="Write the script even if `plan` says it does not fit."),
+          force: bool = typer.Option(False, "--force", help="Write the script even if `plan` says it does not fit "
+                                     "(default: off)."),
           ) -> None:
     """Write an sbatch script: N nodes, torchrun per node, checkpoint + requeue on preemption (USR1)."""
     from shardtune.slurm import SlurmJob, write_sbatch
@@ -131,7 +164,8 @@ def slurm(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
 @app.command()
 def recipes() -> None:
     """List the bundled recipes with their one-line descriptions."""
-    from shardtune.config.load import RECIPES_DIR, bundled_description, list_bundled_recipes
+    from shardtune.bundled import RECIPES_DIR
+    from shardtune.config.load import bundled_description, list_bundled_recipes
 
     for name, path in list_bundled_recipes().items():
         typer.echo(f"{name:<36} {bundled_description(path)}  [{path.relative_to(RECIPES_DIR)}]")
@@ -139,9 +173,10 @@ def recipes() -> None:
 
 @app.command()
 def export(checkpoint: str = typer.Argument(..., help="<output_dir>/checkpoints/step_N (or the checkpoints folder: "
-                                            "its newest)"),
+                                            "its newest)."),
            out_dir: str = typer.Argument(..., help="Folder to write: HF safetensors (+ index) or a PEFT adapter."),
-           max_shard_size_mb: int = typer.Option(2048, help="Split the safetensors output into files of this size.")
+           max_shard_size_mb: int = typer.Option(2048, min=1, help="Split the safetensors output into files of at "
+                                                 "most this many MiB.")
            ) -> None:
     """Consolidate a sharded checkpoint, streamed tensor by tensor (peak memory ~ one output file)."""
     from shardtune.checkpoint.consolidate import export_checkpoint
@@ -157,20 +192,22 @@ def export(checkpoint: str = typer.Argument(..., help="<output_dir>/checkpoints/
 
 
 def main() -> None:
+    """Entry point. typer runs in its standalone mode, its public contract for a CLI: usage errors print the
+    usage hint and one error line and exit 2, `typer.Exit(code)` exits with `code`, and Ctrl-C exits 130.
+    Only what a command itself raises reaches the handlers below."""
     try:
-        code = app(standalone_mode=False)  # click returns (not raises) the exit code in this mode
-        sys.exit(code if isinstance(code, int) else 0)
+        app()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except Exception as e:  # click usage errors arrive here with standalone_mode=False
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(2)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
+    except KeyboardInterrupt:  # only outside typer's own handling (e.g. while a command's imports ran)
+        sys.exit(_interrupted())
+    except SystemExit as e:
+        if e.code == 130:  # typer turns Ctrl-C into a silent exit 130: say why the command stopped
+            _interrupted()
         raise
+
+
+def _interrupted() -> int:
+    print("shardtune: interrupted (Ctrl-C)", file=sys.stderr)
+    return 130

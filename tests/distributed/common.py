@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-from importlib import resources
 
 import torch
 import torch.distributed as dist
@@ -10,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from shardtune.bundled import CONFIGS_DIR
 from shardtune.engine.api import MixedPrecision, ShardingPolicy, ShardingStrategy, default_no_weight_decay
 from shardtune.engine.wrap import resolve_unit_classes
 
@@ -17,7 +17,7 @@ MODELS = ("tiny-llama", "tiny-qwen2")
 
 
 def build_model(name: str, *, seed: int = 0) -> nn.Module:
-    path = resources.files("shardtune") / "configs" / "models" / f"{name}.json"
+    path = CONFIGS_DIR / "models" / f"{name}.json"
     cfg = AutoConfig.from_pretrained(str(path))
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()

@@ -44,7 +44,8 @@ def test_resolved_recipe_round_trips(tmp_path):
 
 def test_every_bundled_recipe_validates():
     recipes = list_bundled_recipes()  # rglob: sub-folders included
-    assert "tiny-cpu" in recipes
+    top_level = Path(__file__).resolve().parents[2] / "recipes"  # the one copy, at the repository's top level
+    assert set(recipes) == {p.stem for p in top_level.rglob("*.yaml")} and "tiny-cpu" in recipes
     for path in recipes.values():
         load_recipe(path)  # raises UserError on any problem
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune.config.load import PACKAGE_DIR
+from shardtune.bundled import CONFIGS_DIR
 from shardtune.config.schema import DataConfig, ModelConfig
 from shardtune.data import GlobalBatches, build_data
 from shardtune.data.batches import num_targets
@@ -32,7 +32,7 @@ def test_chat_trains_only_assistant_turns():
     ids, labels = encode_row({"messages": msgs}, DataConfig(format="chat"), TOK)
     trained = TOK.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
     assert trained == "yo</s>ok</s>"
-    assert ids == list(TOK.apply_chat_template(msgs, tokenize=True)["input_ids"])
+    assert ids == list(TOK.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
 
 
 def test_packing_resets_positions_and_masks_boundaries():
@@ -54,7 +54,7 @@ def test_truncation_is_counted():
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_documents_do_not_attend_to_each_other(model_name, attn):
-    cfg = AutoConfig.from_pretrained(PACKAGE_DIR / f"configs/models/{model_name}.json")
+    cfg = AutoConfig.from_pretrained(CONFIGS_DIR / f"models/{model_name}.json")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
     a, b = torch.randint(4, 100, (5,)), torch.randint(4, 100, (7,))

@@ -32,3 +32,23 @@ def test_launcher_path_imports_no_ml_library_and_preflight_no_transformers():
     assert lines[0] == "[]", out.stdout
     assert lines[2] == "0 []", out.stdout  # far under capacity: plan/bound.py decides, torch-free
     assert lines[-1] == "0 ['torch']", out.stdout  # --fit needs the plan itself
+
+
+HELP_AND_USAGE_ERRORS = """
+import sys
+from shardtune.cli import main
+for argv in (["--help"], ["plan", "--help"], ["train", "--bogus"], ["slurm", "x", "--nodes", "zero"], ["bogus"]):
+    sys.argv = ["shardtune", *argv]
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code in (0, 2), (argv, e.code)
+print(sorted(m for m in ("torch", "transformers", "peft", "datasets") if m in sys.modules), file=sys.stderr)
+"""
+
+
+def test_help_and_usage_errors_import_no_ml_library():
+    # Only `--version` may pay for torch: help and a typo must answer as fast as Python starts.
+    out = subprocess.run([sys.executable, "-c", HELP_AND_USAGE_ERRORS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr

@@ -53,10 +53,10 @@ def test_gpus_per_node_sets_workers_and_device(tmp_path, capsys):
     assert "#SBATCH --gpus-per-node=8" in text and "launch.nproc_per_node=8" in text and "launch.device=cuda" in text
 
 
+# Usage errors (--nodes 0, --nodes zero) are typer's, tested in tests/integration/test_cli_usage.py.
 @pytest.mark.parametrize("args,needle", [
     (["train.lr=-1", "--nodes", "2"], "train.lr"),  # a bad recipe never becomes a job
     (["trian.lr=1", "--nodes", "2"], "unknown recipe key"),
-    (["--nodes", "0"], "--nodes"),
     (["--nodes", "2", "--time", "soon"], "--time"),
     (["--nodes", "2", "--gpus-per-node", "4"], "launch.device=cpu"),  # tiny-cpu pins the CPU
     (["launch.device=cuda", "--nodes", "2"], "--gpus-per-node"),

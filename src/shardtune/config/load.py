@@ -13,18 +13,22 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf import __version__ as omegaconf_version
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from shardtune.bundled import DATA_DIR, RECIPES_DIR
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
-RECIPES_DIR = PACKAGE_DIR / "recipes"
-# Keys that name files; relative values resolve against the recipe's folder, then the cwd, then the package.
+# Keys that name files; relative values resolve against the cwd, then the recipe's folder, then the bundled data
+# (so `configs/models/llama-3.1-8b.json` names a shipped config from any recipe, anywhere).
 PATH_KEYS = ("model.config", "model.path", "model.tokenizer", "data.path")
 
 if not OmegaConf.has_resolver("now"):  # ${now:%Y%m%d-%H%M%S}; resolved once by the launcher, not per worker
-    _register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+    # omegaconf 2.4 renamed register_new_resolver to register_resolver; 2.3's register_resolver is the legacy API.
+    # Each release warns (on stderr, before any one-line error) when given the other one.
+    _legacy = tuple(int(x) for x in omegaconf_version.split(".")[:2]) < (2, 4)
+    _register = OmegaConf.register_new_resolver if _legacy else OmegaConf.register_resolver
     _register("now", lambda fmt="%Y%m%d-%H%M%S": datetime.now().strftime(fmt))
 
 
@@ -96,11 +100,11 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
             _check_builtin(key, str(value))
             continue
         p = Path(str(value)).expanduser()
-        candidates = [p] if p.is_absolute() else [Path.cwd() / p, recipe_dir / p, PACKAGE_DIR / p]
+        candidates = [p] if p.is_absolute() else [Path.cwd() / p, recipe_dir / p, DATA_DIR / p]
         found = next((c for c in candidates if c.exists()), None)
         if found is None:
             raise UserError(f"{key}: file or folder '{value}' does not exist: fix the path (relative paths are "
-                            f"tried against the cwd, the recipe's folder and the package)")
+                            f"tried against the cwd, the recipe's folder and shardtune's bundled {DATA_DIR})")
         OmegaConf.update(cfg, key, str(found.resolve()))
 
 

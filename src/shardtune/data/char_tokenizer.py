@@ -23,7 +23,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     # Specials are matched first (added tokens); everything else splits into single characters.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    # A decoder-only model takes no token_type_ids; transformers 4.56's generate() rejects them as unused.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", model_max_length=4096)
+                                   unk_token="<unk>", model_max_length=4096,
+                                   model_input_names=["input_ids", "attention_mask"])
     fast.chat_template = CHAT_TEMPLATE
     return fast

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import yaml
 
+from shardtune.bundled import CONFIGS_DIR
 from shardtune.errors import UserError
 
-HARDWARE_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
+HARDWARE_DIR = CONFIGS_DIR / "hardware"
 GB = 1e9
 GiB = 1 << 30
 FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator blocks, fragmentation)
