@@ -57,7 +57,8 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     pieces = []
     for start in range(0, n, PIECE_ROWS):
         piece = raw.select(range(start, min(n, start + PIECE_ROWS)))  # contiguous: a slice, no index mapping
-        procs = num_proc if len(piece) >= PARALLEL_MIN_ROWS else 1
+        # num_proc=None, not 1: datasets 5 starts a one-process pool for num_proc=1 (a fork per piece)
+        procs = num_proc if len(piece) >= PARALLEL_MIN_ROWS and num_proc > 1 else None
         out = piece.map(_encode_for_cache, batched=True, batch_size=1000, num_proc=procs,
                         fn_kwargs={"cfg": cfg, "tok": tok}, remove_columns=raw.column_names, features=features,
                         cache_file_name=str(tmp / f"docs-{start // PIECE_ROWS:05d}.arrow"),
