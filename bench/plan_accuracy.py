@@ -1,6 +1,8 @@
 """`shardtune plan` vs measured peak memory on CPU, over the validation grid (shardtune/plan/accuracy.py).
 
     .venv/bin/python bench/plan_accuracy.py            # ~13 configurations, world sizes 1/2/4, ~3 min on 2 cores
+    .venv/bin/python bench/plan_accuracy.py --demo     # + the demo recipes (tiny-cpu, tiny-lora-cpu) x micro-batch
+                                                       #   1/2/4/8 x full_shard/shard_grad_op/no_shard x 1/2/4 ranks
 
 Prints a markdown table (predicted, measured = max over steps of `peak_mem_bytes` from `train.profile_memory=true`,
 error) and the worst error. Goal: within +-5 %.
@@ -10,14 +12,24 @@ from __future__ import annotations
 import argparse
 import time
 
-from shardtune.plan.accuracy import default_grid, run
+from shardtune.plan.accuracy import default_grid, demo_grid, run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, nargs="*", help="only these world sizes")
+    parser.add_argument("--demo", action="store_true", help="also the demo-recipe grid (72 runs), a separate table")
+    parser.add_argument("--demo-only", action="store_true", help="only the demo-recipe grid")
     args = parser.parse_args()
-    cases = [c for c in default_grid() if not args.world or c.world in args.world]
+    tables = [] if args.demo_only else [("validation grid (own 4-layer Llama)", default_grid())]
+    if args.demo or args.demo_only:
+        tables.append(("demo recipes as shipped (issue 12)", demo_grid()))
+    for title, grid in tables:
+        print(f"\n### {title}\n")
+        _table([c for c in grid if not args.world or c.world in args.world])
+
+
+def _table(cases) -> None:
     t0 = time.perf_counter()
     rows = run(cases)
     print("| configuration | predicted MB | measured MB | error |")
