@@ -8,6 +8,7 @@ Labels, position ids and padding are rebuilt per batch (rows.py), so nothing of 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -60,9 +61,9 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
         # num_proc=None, not 1: datasets 5 starts a one-process pool for num_proc=1 (a fork per piece)
         procs = num_proc if len(piece) >= PARALLEL_MIN_ROWS and num_proc > 1 else None
         out = piece.map(_encode_for_cache, batched=True, batch_size=1000, num_proc=procs,
-                        fn_kwargs={"cfg": cfg, "tok": tok}, remove_columns=raw.column_names, features=features,
+                        fn_kwargs={"cfg": cfg, "tok": tok, "dtype": dtype}, remove_columns=raw.column_names, features=features,
                         cache_file_name=str(tmp / f"docs-{start // PIECE_ROWS:05d}.arrow"),
-                        new_fingerprint=f"shardtune-{tmp.name}-{start}", load_from_cache_file=False)
+                        new_fingerprint=hashlib.sha1(f"{tmp.name}-{start}".encode()).hexdigest(), load_from_cache_file=False)
         files += [Path(f["filename"]).name for f in out.cache_files]
         pieces.append(out)
         if progress is not None:
@@ -120,19 +121,33 @@ def warn_truncated(num: int, seq_len: int) -> None:
         warnings.warn(f"{num} documents longer than data.seq_len={seq_len} were truncated", stacklevel=3)
 
 
-def _encode_for_cache(batch: dict[str, list[Any]], *, cfg: DataConfig, tok: PreTrainedTokenizerBase
-                      ) -> dict[str, list[Any]]:
-    out: dict[str, list[Any]] = {"input_ids": [], "target": [], "length": [], "num_targets": []}
-    for ids, labels in encode_batch(batch, cfg, tok):
-        out["length"].append(len(ids))
-        ids, labels = ids[: cfg.seq_len], labels[: cfg.seq_len]
-        # Labels are the ids or IGNORE, so a boolean mask stores them; the first token of every document is
-        # never a target (no prediction across a packing boundary).
-        target = [False] + [lab != IGNORE for lab in labels[1:]] if ids else []
-        out["input_ids"].append(ids)
-        out["target"].append(target)
-        out["num_targets"].append(sum(target))
-    return out
+def _encode_for_cache(batch: dict[str, list[Any]], *, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                      dtype: str) -> Any:
+    """One batch of rows -> an Arrow table, built from flat numpy arrays (a Python list per row would cost more
+    than the tokenizer). Labels are the ids or IGNORE, so a boolean `target` stores them; the first token of a
+    document is never a target (no prediction across a packing boundary). Documents are cut to seq_len here."""
+    import itertools
+
+    import pyarrow as pa
+
+    docs = encode_batch(batch, cfg, tok)
+    length = np.fromiter((len(ids) for ids, _ in docs), dtype=np.int64, count=len(docs))
+    kept = np.minimum(length, cfg.seq_len)
+    total = int(kept.sum())
+    flat_ids = np.fromiter(itertools.chain.from_iterable(ids[: cfg.seq_len] for ids, _ in docs), dtype=dtype,
+                           count=total)
+    target = np.fromiter(itertools.chain.from_iterable(lab[: cfg.seq_len] for _, lab in docs), dtype=np.int64,
+                         count=total) != IGNORE
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum(kept, out=offsets[1:])
+    target[offsets[:-1][kept > 0]] = False
+    cum = np.concatenate([[0], np.cumsum(target)])
+    num_targets = cum[offsets[1:]] - cum[offsets[:-1]]
+    assert total < 2**31, "a 1,000-row batch cut to seq_len fits int32 offsets"
+    off = pa.array(offsets.astype(np.int32))
+    return pa.table({"input_ids": pa.ListArray.from_arrays(off, pa.array(flat_ids)),
+                     "target": pa.ListArray.from_arrays(off, pa.array(target)),
+                     "length": pa.array(length.astype(np.int32)), "num_targets": pa.array(num_targets.astype(np.int32))})
 
 
 def _check_columns(columns: list[str], cfg: DataConfig) -> None:

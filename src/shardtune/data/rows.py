@@ -18,10 +18,10 @@ from shardtune.data.formats import IGNORE
 
 
 def open_documents(entry: Path, files: list[str]) -> pa.Table:
-    """The tokenized documents of every piece as one table of memory-mapped chunks (no copy)."""
-    from datasets import Dataset
-
-    tables = [Dataset.from_file(str(entry / f), in_memory=False).data.table for f in files]
+    """The tokenized documents of every piece as one table of memory-mapped chunks (no copy). The files are the
+    Arrow IPC streams `datasets.map` wrote; pyarrow reads them directly, so a cache hit never imports `datasets`
+    (~1-2 s)."""
+    tables = [pa.ipc.open_stream(pa.memory_map(str(entry / f))).read_all() for f in files]
     return pa.concat_tables(tables).select(["input_ids", "target"])
 
 
