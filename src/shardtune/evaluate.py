@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from shardtune.data.formats import IGNORE
 from shardtune.data.batches import RowSource
+from shardtune.data.formats import IGNORE
 from shardtune.runtime import Runtime, all_reduce_sum
 
 

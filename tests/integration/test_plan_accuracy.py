@@ -7,8 +7,15 @@ One spawn per world size runs all its configurations through `shardtune.train.tr
 """
 from __future__ import annotations
 
-from shardtune.plan.accuracy import DEMO_MICRO_BATCHES, DEMO_RECIPES, DEMO_STRATEGIES, DEMO_WORLDS, default_grid, \
-    demo_grid, run
+from shardtune.plan.accuracy import (
+    DEMO_MICRO_BATCHES,
+    DEMO_RECIPES,
+    DEMO_STRATEGIES,
+    DEMO_WORLDS,
+    default_grid,
+    demo_grid,
+    run,
+)
 
 
 def test_plan_predicts_measured_peak_within_5_percent(tmp_path) -> None:

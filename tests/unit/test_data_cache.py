@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 from shardtune.config.schema import DataConfig
-from shardtune.data import GlobalBatches, build_data
+from shardtune.data import GlobalBatches, build_data, pipeline
 from shardtune.data import build as build_mod
-from shardtune.data import pipeline
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.formats import IGNORE, encode_row
 from shardtune.data.packing import pack
