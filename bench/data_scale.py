@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -150,7 +151,8 @@ def main() -> None:
             data = generate(a.workdir / f"instr-{rows}.jsonl", rows)
             for name in a.tokenizers:
                 tok = "builtin:char" if name == "char" else str(train_bpe(data, a.workdir / "bpe-tokenizer"))
-                cache = a.workdir / f"cache-{name}-{rows}-{time.time_ns()}"
+                cache = a.workdir / f"cache-{name}-{rows}"
+                shutil.rmtree(cache, ignore_errors=True)  # cold: nothing there
                 cold = build(data, tok, cache, env)
                 warm = build(data, tok, cache, env)
                 assert cold["built"] and not warm["built"]
@@ -158,16 +160,13 @@ def main() -> None:
                         "warm_s": round(warm["seconds"], 3), "tokens": cold["tokens"],
                         "build_tokens_per_s": round(cold["tokens"] / cold["seconds"]),
                         "builder_peak_rss_mb": round(cold["peak_rss_mb"]), "cache_mb": round(cold["entry_mb"])})
-                import shutil
-
-                shutil.rmtree(cache, ignore_errors=True)
     base = train_rss("builtin:reverse", a.workdir / "run-base", a.workdir / "cache-base", env)
     report({"train": "builtin:reverse (baseline)", **{k: round(v, 1) for k, v in base.items()}})
     for rows in a.train_rows:
         data = generate(a.workdir / f"instr-{rows}.jsonl", rows)
-        cache = a.workdir / f"cache-train-{rows}"
+        cache = a.workdir / f"cache-char-{rows}"  # the entry the cold build above left (same key as the run's)
         if a.old_src is None:
-            build(data, "builtin:char", cache, env)  # what `shardtune prepare` does before the job
+            build(data, "builtin:char", cache, env)  # what `shardtune prepare` does before the job (a hit if built)
         r = train_rss(str(data), a.workdir / f"run-{rows}", cache, env)
         report({"train_rows": rows, "path": "old" if a.old_src else "cache", **{k: round(v, 1) for k, v in r.items()},
                 "data_rss_mb": round(r["peak_rss_mb"] - base["peak_rss_mb"], 1),
