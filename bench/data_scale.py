@@ -126,7 +126,7 @@ def train_rss(data: str, out: Path, cache: Path, env: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[50_000, 200_000, 1_000_000])
+    ap.add_argument("--rows", type=int, nargs="*", default=[50_000, 200_000, 1_000_000])
     ap.add_argument("--tokenizers", nargs="+", default=["char", "bpe"])
     ap.add_argument("--train-rows", type=int, nargs="*", default=[200_000, 1_000_000])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtune-data-scale"))
