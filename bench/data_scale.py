@@ -103,7 +103,8 @@ def train_rss(data: str, out: Path, cache: Path, env: dict) -> dict:
     while proc.poll() is None:
         for child in proc.children(recursive=True):
             try:
-                if "shardtune.worker" not in " ".join(child.cmdline()):
+                cmd = " ".join(child.cmdline())
+                if "shardtune.worker" not in cmd or "torch.distributed.run" in cmd:  # torchrun's agent names it too
                     continue
                 status = Path(f"/proc/{child.pid}/status").read_text()
             except (psutil.Error, OSError):
