@@ -92,11 +92,11 @@ def build(data: Path, tokenizer: str, cache: Path, env: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def train_rss(data: str, out: Path, cache: Path, env: dict) -> dict:
+def train_rss(data: str, out: Path, cache: Path | None, env: dict) -> dict:
     """Peak RSS / anonymous RSS / file RSS (MB) per worker of a 2-step, 2-rank run, and its wall time."""
     cmd = [str(SHARDTUNE), "train", "tiny-cpu", f"data.path={data}", "data.seq_len=512", "train.max_steps=2",
            "train.eval_every=0", "train.demo_eval=false", "train.save_final=false", f"train.output_dir={out}",
-           f"data.cache_dir={cache}", "train.micro_batch_size=2"]
+           "train.micro_batch_size=2", *([f"data.cache_dir={cache}"] if cache else [])]  # None: the old path
     t0 = time.perf_counter()
     proc = psutil.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peaks: dict[int, dict[str, float]] = {}
@@ -161,14 +161,14 @@ def main() -> None:
                         "warm_s": round(warm["seconds"], 3), "tokens": cold["tokens"],
                         "build_tokens_per_s": round(cold["tokens"] / cold["seconds"]),
                         "builder_peak_rss_mb": round(cold["peak_rss_mb"]), "cache_mb": round(cold["entry_mb"])})
-    base = train_rss("builtin:reverse", a.workdir / "run-base", a.workdir / "cache-base", env)
+    base = train_rss("builtin:reverse", a.workdir / "run-base", None if a.old_src else a.workdir / "cache-base", env)
     report({"train": "builtin:reverse (baseline)", **{k: round(v, 1) for k, v in base.items()}})
     for rows in a.train_rows:
         data = generate(a.workdir / f"instr-{rows}.jsonl", rows)
         cache = a.workdir / f"cache-char-{rows}"  # the entry the cold build above left (same key as the run's)
         if a.old_src is None:
             build(data, "builtin:char", cache, env)  # what `shardtune prepare` does before the job (a hit if built)
-        r = train_rss(str(data), a.workdir / f"run-{rows}", cache, env)
+        r = train_rss(str(data), a.workdir / f"run-{rows}", None if a.old_src else cache, env)
         report({"train_rows": rows, "path": "old" if a.old_src else "cache", **{k: round(v, 1) for k, v in r.items()},
                 "data_rss_mb": round(r["peak_rss_mb"] - base["peak_rss_mb"], 1),
                 "data_anon_mb": round(r["peak_anon_mb"] - base["peak_anon_mb"], 1)})
