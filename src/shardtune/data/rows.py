@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from shardtune.data.formats import IGNORE
 
@@ -32,6 +31,12 @@ class PackedRows:
         self.docs = np.load(entry / f"{split}_docs.npy", mmap_mode="r")  # [num_docs] document ids, in order
         self.rows = np.load(entry / f"{split}_rows.npy", mmap_mode="r")  # [num_rows + 1] offsets into docs
         self.documents = documents
+        # Per-chunk access: `ChunkedArray.take` on list columns concatenates the chunks first, i.e. copies the whole
+        # column into anonymous memory at every step (RSS growing with the dataset). One document at a time from
+        # its own chunk copies only that document.
+        self._ids = documents.column("input_ids").chunks
+        self._target = documents.column("target").chunks
+        self._starts = np.cumsum([0] + [len(c) for c in self._ids])  # first document id of each chunk
         self.seq_len: int = manifest["seq_len"]
         self.pad_id: int = manifest["pad_id"]
         self.num_truncated: int = manifest["stats"][split]["truncated"]
@@ -44,26 +49,26 @@ class PackedRows:
         at 0 per document (and for the padding), which keeps attention inside a packed document."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         spans = [(int(self.rows[r]), int(self.rows[r + 1])) for r in idx]
-        doc_ids = np.concatenate([self.docs[a:b] for a, b in spans]) if spans else np.zeros(0, np.int64)
-        got = self.documents.take(pa.array(doc_ids, type=pa.int64()))
-        ids_col = got.column("input_ids").combine_chunks()
-        flat_ids = ids_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-        flat_target = got.column("target").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
-
+        docs = []  # (ids, target) per document, numpy views/copies of one document each
+        for a, b in spans:
+            for d in self.docs[a:b]:
+                c = int(np.searchsorted(self._starts, d, side="right")) - 1
+                i = int(d) - int(self._starts[c])
+                docs.append((self._ids[c][i].values.to_numpy(zero_copy_only=False).astype(np.int64),
+                             self._target[c][i].values.to_numpy(zero_copy_only=False)))
         n, s = len(idx), self.seq_len
         input_ids = np.full((n, s), self.pad_id, dtype=np.int64)
         labels = np.full((n, s), IGNORE, dtype=np.int64)
         positions = np.zeros((n, s), dtype=np.int64)
-        d = p = 0  # next document of `got`, its first token in the flat arrays
+        d = 0  # next document of `docs`
         for i, (a, b) in enumerate(spans):
             col = 0
             for _ in range(b - a):
-                k = int(lengths[d])
-                toks = flat_ids[p : p + k]
+                toks, target = docs[d]
+                k = len(toks)
                 input_ids[i, col : col + k] = toks
-                labels[i, col : col + k] = np.where(flat_target[p : p + k], toks, IGNORE)
+                labels[i, col : col + k] = np.where(target, toks, IGNORE)
                 positions[i, col : col + k] = np.arange(k)
-                col, p, d = col + k, p + k, d + 1
+                col, d = col + k, d + 1
             positions[i, col:] = np.arange(s - col)  # padding is its own "document"
         return input_ids, labels, positions
