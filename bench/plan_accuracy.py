@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/plan_accuracy.py            # ~13 configurations, world sizes 1/2/4, ~3 min on 2 cores
     .venv/bin/python bench/plan_accuracy.py --qlora    # the separate QLoRA table (6 configurations)
+    .venv/bin/python bench/plan_accuracy.py --demo     # + the demo recipes (tiny-cpu, tiny-lora-cpu) x micro-batch
+                                                       #   1/2/4/8 x full_shard/shard_grad_op/no_shard x 1/2/4 ranks
 
 Prints a markdown table (predicted, measured = max over steps of `peak_mem_bytes` from `train.profile_memory=true`,
 error) and the worst error. Goal: within +-5 %.
@@ -11,16 +13,28 @@ from __future__ import annotations
 import argparse
 import time
 
-from shardtune.plan.accuracy import default_grid, qlora_grid, run
+from shardtune.plan.accuracy import default_grid, demo_grid, qlora_grid, run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, nargs="*", help="only these world sizes")
-    parser.add_argument("--qlora", action="store_true", help="the QLoRA table (lora.quantize_base=nf4) instead")
+    parser.add_argument("--qlora", action="store_true", help="only the QLoRA table (lora.quantize_base=nf4)")
+    parser.add_argument("--demo", action="store_true", help="also the demo-recipe grid (72 runs), a separate table")
+    parser.add_argument("--demo-only", action="store_true", help="only the demo-recipe grid")
     args = parser.parse_args()
-    grid = qlora_grid() if args.qlora else default_grid()
-    cases = [c for c in grid if not args.world or c.world in args.world]
+    if args.qlora:
+        tables = [("QLoRA table (issue 11)", qlora_grid())]
+    else:
+        tables = [] if args.demo_only else [("validation grid (own 4-layer Llama)", default_grid())]
+        if args.demo or args.demo_only:
+            tables.append(("demo recipes as shipped (issue 12)", demo_grid()))
+    for title, grid in tables:
+        print(f"\n### {title}\n")
+        _table([c for c in grid if not args.world or c.world in args.world])
+
+
+def _table(cases) -> None:
     t0 = time.perf_counter()
     rows = run(cases)
     print("| configuration | predicted MB | measured MB | error |")

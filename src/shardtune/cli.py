@@ -162,6 +162,16 @@ def slurm(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
 
 
 @app.command()
+def prepare(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> None:
+    """Tokenize data.path once into the Arrow cache that every rank memory-maps (data.cache_dir, default
+    <output_dir>/data_cache); print rows, tokens, truncation, packing efficiency and a length histogram.
+    A later `train` with the same data, tokenizer and data settings finds it and tokenizes nothing."""
+    from shardtune.data.prepare import prepare_recipe
+
+    prepare_recipe(recipe, overrides or [])
+
+
+@app.command()
 def recipes() -> None:
     """List the bundled recipes with their one-line descriptions."""
     from shardtune.bundled import RECIPES_DIR

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from shardtune.data.batches import RowSource
 from shardtune.data.formats import IGNORE
-from shardtune.data.packing import Rows
 from shardtune.runtime import Runtime, all_reduce_sum
 
 
@@ -23,7 +23,7 @@ def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
 
 
 @torch.no_grad()
-def eval_loss(model: nn.Module, rows: Rows, rt: Runtime, *, micro_batch_size: int, max_rows: int) -> float | None:
+def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_size: int, max_rows: int) -> float | None:
     n = min(len(rows), max_rows)
     if n == 0:
         return None
@@ -37,8 +37,8 @@ def eval_loss(model: nn.Module, rows: Rows, rt: Runtime, *, micro_batch_size: in
         weight = 1.0 if len(idx) else 0.0
         if not len(idx):
             idx = torch.tensor([0])  # a dummy forward keeps the collectives in step
-        labels = rows.labels[idx].to(rt.device)
-        s = token_loss_sum(model, rows.input_ids[idx].to(rt.device), labels, rows.position_ids[idx].to(rt.device))
+        ids, labels, pos = (torch.from_numpy(x).to(rt.device) for x in rows.take(idx.numpy()))
+        s = token_loss_sum(model, ids, labels, pos)
         loss_sum += weight * float(s)
         count += weight * float((labels[:, 1:] != IGNORE).sum())
     model.train(was_training)

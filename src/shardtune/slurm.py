@@ -127,6 +127,7 @@ def sbatch_script(recipe_arg: str, overrides: list[str], job: SlurmJob, *, force
     name = job.job_name or f"shardtune-{resolve_recipe_path(recipe_arg).stem}"
     args = [*overrides, *(f"{k}={v}" for k, v in keys.items())]
     train = " \\\n    ".join([shlex.join([*shardtune_executable(), "train", recipe_ref]), *map(shlex.quote, args)])
+    prepare = " \\\n    ".join([shlex.join([*shardtune_executable(), "prepare", recipe_ref]), *map(shlex.quote, args)])
     sbatch = [f"--job-name={name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     if job.gpus_per_node:
         sbatch.append(f"--gpus-per-node={job.gpus_per_node}")
@@ -144,7 +145,7 @@ def sbatch_script(recipe_arg: str, overrides: list[str], job: SlurmJob, *, force
                           *(x for k, v in options if v is not None for x in (k, str(v)))])
     plan_line = f"plan: {verdict}" if verdict is not None else "plan: not checked (shardtune.plan unavailable)"
     return _TEMPLATE.format(header=header, script=script_name, command=command, date=datetime.now().strftime("%Y-%m-%d %H:%M"),
-                            plan=plan_line, run_dir=keys["train.output_dir"], train=train,
+                            plan=plan_line, run_dir=keys["train.output_dir"], train=train, prepare=prepare,
                             port_base=RDZV_PORT_BASE, port_span=RDZV_PORT_SPAN)
 
 
@@ -177,8 +178,16 @@ echo "shardtune: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM
 # step: srun delivers it to every process on every node; the workers finish the step, save a checkpoint
 # (with train.save_every > 0) and exit 75; this shell then requeues the job.
 PREEMPTED=0
-forward_usr1() {{ PREEMPTED=1; echo "shardtune: USR1: checkpointing before requeue"; kill -USR1 "$SRUN_PID"; }}
+SRUN_PID=""  # empty while `prepare` runs: a USR1 then only marks the job for requeue
+forward_usr1() {{ PREEMPTED=1; echo "shardtune: USR1: checkpointing before requeue"
+                 if [ -n "$SRUN_PID" ]; then kill -USR1 "$SRUN_PID"; fi; }}
 trap forward_usr1 USR1
+
+# Tokenize the data once, on one task, before the training step: the cache lands in the run directory (or
+# data.cache_dir) that every node sees, so no GPU waits on tokenization; after a requeue it is a cache hit.
+srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 \\
+  {prepare} || exit $?
+if [ "$PREEMPTED" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; exit 0; fi
 
 # One task per node; each runs torchrun with launch.nproc_per_node workers (train.resume=auto picks up the
 # latest checkpoint after a requeue).

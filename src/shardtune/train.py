@@ -14,7 +14,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from shardtune import checkpoint as ckpt
 from shardtune.config import Recipe
 from shardtune.config.schema import TrainConfig
-from shardtune.data import GlobalBatches, TokenizedData, build_data
+from shardtune.data import GlobalBatches, TokenizedData
+from shardtune.data.ranks import prepare_for_ranks
 from shardtune.engine.api import ShardedModel
 from shardtune.evaluate import eval_loss, exact_match, token_loss_sum
 from shardtune.export import param_shapes, save_final, write_export_info
@@ -108,7 +109,7 @@ def setup(recipe: Recipe) -> Run:
     rt = init_runtime(recipe.launch)
     cfg = recipe.train
     tok = build_tokenizer(recipe.model)
-    data = build_data(recipe.data, tok, seed=cfg.seed)
+    data = prepare_for_ranks(recipe.data, tok, seed=cfg.seed, output_dir=cfg.output_dir, rank=rt.rank)
     model = build_model(recipe.model, seed=cfg.seed, device=rt.device, sharded_init=True)  # filled by parallelize
     shapes = param_shapes(model)
     sharded = parallelize(model, recipe, device=rt.device, world_size=rt.world_size)

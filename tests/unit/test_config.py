@@ -56,7 +56,7 @@ def test_recipes_command_lists_bundled(capsys):
 
 
 # The public surface changes only on purpose: update these sets together with the docs.
-EXPECTED_COMMANDS = {"train", "validate", "recipes", "export", "slurm", "plan"}
+EXPECTED_COMMANDS = {"train", "validate", "recipes", "export", "slurm", "plan", "prepare"}
 EXPECTED_SECTIONS = {"description", "model", "lora", "engine", "data", "train", "launch", "hardware"}
 
 
@@ -70,7 +70,7 @@ def test_public_surface_snapshot():
     for k in ["model.config", "model.path", "model.tokenizer", "model.init", "lora.r", "lora.alpha", "lora.quantize_base",
               "lora.target_modules", "engine.backend", "engine.strategy", "engine.hybrid_shard_size", "engine.wrap",
               "engine.mixed_precision", "engine.reduce_dtype", "engine.activation_checkpointing", "engine.cpu_offload",
-              "engine.prefetch", "data.path", "data.format", "data.seq_len", "data.packing", "train.output_dir",
+              "engine.prefetch", "data.path", "data.format", "data.seq_len", "data.packing", "data.cache_dir", "train.output_dir",
               "train.micro_batch_size", "train.grad_accum", "train.max_steps", "train.lr", "train.schedule",
               "train.warmup_steps", "train.weight_decay", "train.max_grad_norm", "train.seed", "train.eval_every",
               "train.save_every", "train.profile_memory", "launch.nproc_per_node", "launch.nnodes", "launch.device",

@@ -34,6 +34,10 @@ def test_script_has_the_job_and_the_same_environment(tmp_path, capsys, monkeypat
         assert line in text, line
     # The venv that wrote the script runs it; recipe and overrides pass through; the run dir is pinned (requeue).
     assert f"{Path(sys.executable).with_name('shardtune')} train tiny-cpu" in text
+    # The data is tokenized once, by one task with the same overrides, before the training step starts.
+    prepare = text.index(f"srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 \\\n  "
+                         f"{Path(sys.executable).with_name('shardtune')} prepare tiny-cpu")
+    assert prepare < text.index(" train tiny-cpu") and "train.max_steps=7" in text[prepare:text.index(" train tiny-cpu")]
     assert "train.max_steps=7" in text and f"train.output_dir={(tmp_path / 'runs/x').resolve()}" in text
     assert "launch.nproc_per_node=2" in text and "launch.device=cpu" in text  # tiny-cpu: 2 CPU workers per node
     # Rendezvous at the first node of the allocation, port from the job id (the same formula as in Python).

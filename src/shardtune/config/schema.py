@@ -108,6 +108,9 @@ class DataConfig:
     packing: bool = True  # concatenate documents to seq_len (position ids reset per document)
     eval_fraction: float = 0.05  # held-out share of the data for eval_loss
     num_samples: int = 2000  # size of a generated builtin:* dataset
+    cache_dir: str | None = None  # tokenized Arrow cache, shared by ranks and runs (default: <output_dir>/data_cache)
+    num_proc: int = 0  # tokenizer processes for the cache build (0: auto, one per core for large datasets)
+    prepare_timeout_min: int = 120  # how long other ranks wait for rank 0's cache build before giving up
 
     def __post_init__(self) -> None:
         _check(self.format in ("text", "instruction", "chat"), "data.format",
@@ -115,6 +118,8 @@ class DataConfig:
         _check(self.seq_len >= 8, "data.seq_len", f"must be >= 8, got {self.seq_len}")
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
         _check(self.num_samples >= 1, "data.num_samples", f"must be >= 1, got {self.num_samples}")
+        _check(self.num_proc >= 0, "data.num_proc", f"must be >= 0 (0: auto), got {self.num_proc}")
+        _check(self.prepare_timeout_min >= 1, "data.prepare_timeout_min", f"must be >= 1, got {self.prepare_timeout_min}")
 
 
 @dataclass(kw_only=True)

@@ -9,59 +9,74 @@ it locally: all ranks index the same rows), which makes the summed gradient equa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from shardtune.data.formats import IGNORE
-from shardtune.data.packing import Rows
+
+
+class RowSource(Protocol):
+    """What batches read: the cache's memory-mapped `rows.PackedRows`, or the in-memory `packing.Rows`."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, idx: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # [b, seq_len]
-    labels: torch.Tensor  # [b, seq_len]
-    position_ids: torch.Tensor  # [b, seq_len]
+    input_ids: torch.Tensor  # [b, seq_len] int64
+    labels: torch.Tensor  # [b, seq_len] int64
+    position_ids: torch.Tensor  # [b, seq_len] int64
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device))
 
 
-def num_targets(labels: torch.Tensor) -> int:
+def num_targets(labels: torch.Tensor | np.ndarray) -> int:
     """Tokens that carry a loss after the causal shift (position t predicts label t+1)."""
     return int((labels[:, 1:] != IGNORE).sum())
 
 
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The row order of one epoch: a pure function of (seed, epoch, n). numpy, not torch: 8 bytes per row that
+    the CPU memory tracker (live tensors) must not count as training memory."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
 class GlobalBatches:
-    def __init__(self, rows: Rows, *, micro_batch_size: int, grad_accum: int, world_size: int, seed: int) -> None:
+    def __init__(self, rows: RowSource, *, micro_batch_size: int, grad_accum: int, world_size: int,
+                 seed: int) -> None:
         self.rows = rows
         self.b = micro_batch_size
         self.accum = grad_accum
         self.world = world_size
         self.seed = seed
         self.global_size = micro_batch_size * grad_accum * world_size
-        self._perms: dict[int, torch.Tensor] = {}
+        self._perms: dict[int, np.ndarray] = {}
 
-    def _perm(self, epoch: int) -> torch.Tensor:
+    def _perm(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(len(self.rows), generator=g)}  # keep one epoch in memory
+            if len(self._perms) >= 2:  # a step spans at most two epochs: keep two, not all
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = epoch_permutation(self.seed, epoch, len(self.rows))
         return self._perms[epoch]
 
-    def indices(self, step: int) -> torch.Tensor:
+    def indices(self, step: int) -> np.ndarray:
         """The G row indices of optimizer step `step` (0-based); wraps into the next epoch as needed."""
         n = len(self.rows)
-        out = []
-        for pos in range(step * self.global_size, (step + 1) * self.global_size):
-            out.append(self._perm(pos // n)[pos % n])
-        return torch.stack(out)
+        pos = np.arange(step * self.global_size, (step + 1) * self.global_size)
+        return np.array([self._perm(int(p // n))[p % n] for p in pos], dtype=np.int64)
 
     def step(self, step: int, rank: int) -> tuple[list[MicroBatch], int]:
-        """This rank's micro-batches for `step` and the target-token count of the whole global batch."""
-        idx = self.indices(step)
-        total = num_targets(self.rows.labels[idx])
+        """This rank's micro-batches for `step` and the target-token count of the whole global batch. Every rank
+        reads the G rows of the step (to count targets); only its own become tensors."""
+        ids, labels, pos = self.rows.take(self.indices(step))
+        total = num_targets(labels)
         micro = []
         for a in range(self.accum):
-            start = (a * self.world + rank) * self.b
-            sel = idx[start : start + self.b]
-            micro.append(MicroBatch(self.rows.input_ids[sel], self.rows.labels[sel], self.rows.position_ids[sel]))
+            sel = slice((a * self.world + rank) * self.b, (a * self.world + rank + 1) * self.b)
+            micro.append(MicroBatch(*(torch.from_numpy(np.ascontiguousarray(x[sel])) for x in (ids, labels, pos))))
         return micro, total

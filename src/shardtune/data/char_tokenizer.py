@@ -5,7 +5,7 @@ One token per printable ASCII character plus four specials; loads as a `PreTrain
 """
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, matching the tiny configs' pad/bos/eos ids
@@ -19,9 +19,10 @@ CHAT_TEMPLATE = (
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    # Specials are matched first (added tokens); everything else splits into single characters.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # BPE without merges and without a pre-tokenizer: every character is its own token (unknown ones <unk>),
+    # specials are matched first (added tokens). The same ids as a WordLevel model behind a one-character regex
+    # split, at ~2.3x the speed (no regex, no per-character string), which is most of a cache build's time.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
     # A decoder-only model takes no token_type_ids; transformers 4.56's generate() rejects them as unused.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",

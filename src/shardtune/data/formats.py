@@ -28,6 +28,31 @@ def encode_row(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBas
     return _encode_chat(row[cfg.messages_field], tok)
 
 
+def encode_batch(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase
+                 ) -> list[tuple[list[int], list[int]]]:
+    """`encode_row` over a column batch (what `datasets.map(batched=True)` hands over). Text and instruction call
+    the fast tokenizer once per batch (Rust, ~10x fewer Python calls than row by row); chat renders row by row."""
+    if cfg.format == "chat":
+        return [_encode_chat(m, tok) for m in batch[cfg.messages_field]]
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if cfg.format == "text":
+        out = []
+        for ids in _batch_ids(tok, batch[cfg.text_field]):
+            ids = bos + ids + eos
+            out.append((ids, list(ids)))
+        return out
+    out = []
+    for p, r in zip(_batch_ids(tok, batch[cfg.prompt_field]), _batch_ids(tok, batch[cfg.response_field])):
+        prompt, response = bos + p, r + eos
+        out.append((prompt + response, [IGNORE] * len(prompt) + response))
+    return out
+
+
+def _batch_ids(tok: PreTrainedTokenizerBase, texts: list[Any]) -> list[list[int]]:
+    return tok([str(t) for t in texts], add_special_tokens=False)["input_ids"]
+
+
 def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
     """Only assistant turns are trained. Works with any chat template: each assistant turn's tokens are the
     difference between the rendering up to it (with the generation prompt) and the rendering including it."""

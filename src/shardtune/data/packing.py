@@ -1,4 +1,5 @@
-"""Documents -> fixed-length rows of `seq_len`.
+"""Documents -> fixed-length rows of `seq_len`, in memory (the reference the cache's per-batch rows match; unit
+tests build batches from it directly).
 
 Packing concatenates whole documents into a row; `position_ids` restart at 0 for each document, which is how
 HF models (transformers >= 5, sdpa/eager/flash) detect packed sequences and keep attention inside a document.
@@ -23,6 +24,10 @@ class Rows:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def take(self, idx):  # the interface GlobalBatches reads through (rows.PackedRows has the same)
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return self.input_ids[idx].numpy(), self.labels[idx].numpy(), self.position_ids[idx].numpy()
 
 
 def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int, packing: bool) -> Rows:

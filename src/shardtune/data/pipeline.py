@@ -1,8 +1,13 @@
-"""`data.path` -> tokenized, packed train/eval rows. Loading goes through `datasets`."""
+"""`data.path` -> a tokenized cache entry (built once, see cache.py / build.py) -> memory-mapped train/eval rows.
+
+`build_data` is the one entry point: it returns the entry when it exists (no tokenization at all), else builds
+it. In a training job rank 0 builds and the others wait (`prepare_for_ranks`): see that function for why.
+"""
 from __future__ import annotations
 
-import random
-import warnings
+import json
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,9 +15,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
-from shardtune.data import synthetic
-from shardtune.data.formats import encode_row
-from shardtune.data.packing import Rows, pack
+from shardtune.data import cache, synthetic
+from shardtune.data.build import build_entry, warn_truncated
+from shardtune.data.rows import PackedRows, open_documents
 from shardtune.errors import UserError
 
 SUFFIX_TO_BUILDER = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
@@ -20,19 +25,65 @@ SUFFIX_TO_BUILDER = {".jsonl": "json", ".json": "json", ".parquet": "parquet", "
 
 @dataclass
 class TokenizedData:
-    train: Rows
-    eval: Rows
-    eval_raw: list[dict[str, Any]]  # held-out raw rows (the demo's accuracy check decodes from their prompts)
+    train: PackedRows
+    eval: PackedRows
+    eval_raw: list[dict[str, Any]]  # held-out raw rows, up to build.EVAL_RAW_KEEP (the demo decodes their prompts)
+    entry: Path  # the cache entry the rows are mapped from
+    manifest: dict[str, Any]
+    built: bool  # True when this call tokenized (a cache miss)
 
 
-def load_raw(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
+def build_data(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: int, output_dir: str | None = None,
+               progress: Callable[[int, int], None] | None = None) -> TokenizedData:
+    entry, built = ensure_entry(cfg, tok, seed=seed, output_dir=output_dir, progress=progress)
+    return open_entry(entry, built=built)
+
+
+def ensure_entry(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: int, output_dir: str | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> tuple[Path, bool]:
+    """The cache entry for (data, tokenizer, settings): found, or built now. Returns (entry, built)."""
+    root = cache.cache_root(cfg, output_dir)
+    key = cache.cache_key(cfg, tok, seed)
+    entry = root / key
+    if cache.read_manifest(entry) is not None:
+        return entry, False
+    tmp = cache.new_temp_dir(root, key)
+    try:
+        manifest = build_entry(load_raw(cfg, seed, scratch=tmp / "raw"), cfg, tok, tmp, seed=seed,
+                               progress=progress)
+        manifest["key"] = key
+        cache.commit(tmp, entry, manifest)
+    finally:
+        if tmp.exists():  # a failed build (bad data, interrupt) leaves nothing behind
+            shutil.rmtree(tmp, ignore_errors=True)
+    return entry, True
+
+
+def open_entry(entry: Path, *, built: bool = False) -> TokenizedData:
+    manifest = cache.read_manifest(entry)
+    assert manifest is not None, f"{entry} is not a finished cache entry"
+    documents = open_documents(entry, manifest["files"])
+    train = PackedRows(entry, "train", documents, manifest)
+    warn_truncated(train.num_truncated, train.seq_len)
+    with open(entry / "eval_raw.jsonl") as f:
+        eval_raw = [json.loads(line) for line in f]
+    return TokenizedData(train=train, eval=PackedRows(entry, "eval", documents, manifest), eval_raw=eval_raw,
+                         entry=entry, manifest=manifest, built=built)
+
+
+def load_raw(cfg: DataConfig, seed: int, *, scratch: Path | None = None) -> Any:
+    """The rows as a `datasets.Dataset` (Arrow, memory-mapped). `scratch` holds datasets' Arrow copy of the input
+    files, deleted with the build's temp dir (instead of piling up under ~/.cache)."""
     if cfg.path is None:
         raise UserError("data.path: not set: give a jsonl/json/parquet/txt file or folder, a saved dataset, "
                         "or builtin:reverse")
+    import datasets  # heavy import, only when data is read
+
+    datasets.disable_progress_bars()  # one bar per rank is noise in logs; `prepare` draws its own
     if cfg.path.startswith("builtin:"):
         name = cfg.path.split(":", 1)[1]
         try:
-            return synthetic.generate(name, cfg.num_samples, seed)
+            return datasets.Dataset.from_list(synthetic.generate(name, cfg.num_samples, seed))
         except KeyError:
             raise UserError(f"data.path: unknown builtin task '{name}': choose from "
                             f"{sorted(synthetic.TASKS)}") from None
@@ -52,48 +103,12 @@ def load_raw(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
             builder = SUFFIX_TO_BUILDER.get(files[0].suffix)
             if builder is None:
                 raise UserError(f"data.path: '{path.name}' has an unknown suffix: use .jsonl, .json, .parquet, .txt or .csv")
-            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                      cache_dir=str(scratch) if scratch else None)
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for unreadable files
         detail = (str(e).strip().splitlines() or ["no details"])[0][:120]
         raise UserError(f"data.path: cannot read '{path}' ({type(e).__name__}: {detail}): check the file's format "
                         "and encoding (UTF-8)") from None
-    return list(ds)
-
-
-def _check_columns(rows: list[dict[str, Any]], cfg: DataConfig) -> None:
-    needed = {"text": [cfg.text_field], "instruction": [cfg.prompt_field, cfg.response_field],
-              "chat": [cfg.messages_field]}[cfg.format]
-    missing = [c for c in needed if c not in rows[0]]
-    if missing:
-        raise UserError(f"data.format={cfg.format}: column(s) {missing} missing from data.path (found "
-                        f"{sorted(rows[0])}): set data.{cfg.format}_field names or pick another data.format")
-
-
-def build_data(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: int) -> TokenizedData:
-    raw = load_raw(cfg, seed)
-    if not raw:
-        raise UserError(f"data.path: '{cfg.path}' holds no rows: point it at a non-empty dataset")
-    _check_columns(raw, cfg)
-    order = list(range(len(raw)))
-    random.Random(seed).shuffle(order)  # the held-out split is fixed by the seed, not by file order
-    num_eval = int(len(raw) * cfg.eval_fraction)
-    eval_raw = [raw[i] for i in order[:num_eval]]
-    train_raw = [raw[i] for i in order[num_eval:]]
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-
-    def encode(rows: list[dict[str, Any]]) -> Rows:
-        docs = [d for d in (encode_row(r, cfg, tok) for r in rows) if d[0]]
-        return pack(docs, cfg.seq_len, pad_id, cfg.packing)
-
-    train, evald = encode(train_raw), encode(eval_raw)
-    if len(train) == 0:
-        raise UserError(f"data.path: no trainable rows after tokenizing '{cfg.path}' (format={cfg.format})")
-    if train.num_truncated:
-        warnings.warn(f"{train.num_truncated} documents longer than data.seq_len={cfg.seq_len} were truncated",
-                      stacklevel=2)
-    if not (train.labels[:, 1:] != -100).any():
-        raise UserError(f"data: no target tokens left in '{cfg.path}' (every response was cut off at "
-                        f"data.seq_len={cfg.seq_len}?): raise data.seq_len or shorten the prompts")
-    return TokenizedData(train=train, eval=evald, eval_raw=eval_raw)
+    return ds

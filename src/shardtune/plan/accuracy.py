@@ -31,6 +31,8 @@ class Case:
     name: str
     world: int
     overrides: tuple[str, ...]
+    recipe: str = "tiny-cpu"
+    own_model: bool = True  # False: the recipe's own model (the demo recipes as users run them)
 
 
 GRID = [  # world, strategy, precision, micro-batch, seq_len, extra overrides (a label for the name)
@@ -76,18 +78,39 @@ def qlora_grid() -> list[Case]:
             for w, mp_, mb, s, ck in QLORA_GRID]
 
 
+# Demo recipes as shipped (tiny-llama, seq_len 128), kept apart from the grid above (and from other features' rows):
+# recipe x micro-batch x strategy x world size. The full product is the bench's; the test runs DEMO_SUBSET.
+DEMO_RECIPES = ("tiny-cpu", "tiny-lora-cpu")
+DEMO_MICRO_BATCHES = (1, 2, 4, 8)
+DEMO_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+DEMO_WORLDS = (1, 2, 4)
+# Every recipe, micro-batch, strategy and world size at least once; each world's cases share one spawn.
+DEMO_SUBSET = [("tiny-cpu", 1, "full_shard", 1), ("tiny-cpu", 8, "shard_grad_op", 2), ("tiny-cpu", 2, "no_shard", 4),
+               ("tiny-lora-cpu", 4, "full_shard", 2), ("tiny-lora-cpu", 8, "no_shard", 1),
+               ("tiny-lora-cpu", 1, "shard_grad_op", 4)]
+
+
+def demo_grid(subset: bool = False) -> list[Case]:
+    combos = DEMO_SUBSET if subset else [(r, mb, st, w) for r in DEMO_RECIPES for w in DEMO_WORLDS
+                                         for st in DEMO_STRATEGIES for mb in DEMO_MICRO_BATCHES]
+    return [Case(f"{r} w{w} {st} mb{mb}", w, (f"engine.strategy={st}", f"train.micro_batch_size={mb}",
+                                               "train.save_every=0"), recipe=r, own_model=False)
+            for r, mb, st, w in combos]
+
+
 def recipe_overrides(case: Case, workdir: Path, index: int) -> list[str]:
-    return [f"model.config={workdir / 'model.json'}", *BASE, f"launch.nproc_per_node={case.world}",
-            f"train.output_dir={workdir / f'run{index}'}", *case.overrides]
+    model = [f"model.config={workdir / 'model.json'}"] if case.own_model else []
+    return [*model, *BASE, f"launch.nproc_per_node={case.world}", f"train.output_dir={workdir / f'run{index}'}",
+            *case.overrides]
 
 
 def predict(case: Case, workdir: Path, index: int) -> int:
     from shardtune.plan import make_plan
 
-    return make_plan("tiny-cpu", recipe_overrides(case, workdir, index)).estimate.total
+    return make_plan(case.recipe, recipe_overrides(case, workdir, index)).estimate.total
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[list[str]]) -> None:
+def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch
@@ -99,14 +122,14 @@ def _worker(rank: int, world: int, port: int, jobs: list[list[str]]) -> None:
     from shardtune.train import train
 
     torch.set_num_threads(1)
-    init_runtime(load_recipe("tiny-cpu", jobs[0]).launch)
+    init_runtime(load_recipe(*jobs[0]).launch)
     try:
-        for overrides in jobs:
+        for recipe_name, overrides in jobs:
             # Bytes still alive from the previous run in this process (the engine's hooks keep a trained model
             # alive: a reference cycle through autograd's C++ hooks); the tracker counts them, so we subtract them.
             leftover = torch.tensor([memory.snapshot_live_bytes()], dtype=torch.float64)
             dist.all_reduce(leftover, op=dist.ReduceOp.MIN)
-            recipe = load_recipe("tiny-cpu", overrides)
+            recipe = load_recipe(recipe_name, overrides)
             if rank == 0:
                 Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)
                 (Path(recipe.train.output_dir) / "leftover_bytes").write_text(str(int(leftover.item())))
@@ -128,7 +151,7 @@ def measure(cases: list[Case], workdir: Path) -> list[int]:
     from shardtune.runtime import free_port, start_local_ranks
 
     for world, idx in by_world.items():
-        jobs = [recipe_overrides(cases[i], workdir, i) for i in idx]
+        jobs = [(cases[i].recipe, recipe_overrides(cases[i], workdir, i)) for i in idx]
         start_local_ranks(_worker, (world, free_port(), jobs), world)  # forked ranks measure what spawned ones do
     out = []
     for i in range(len(cases)):

@@ -251,6 +251,9 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     # last unit is the worst (all activations alive); with it the earliest can be (little was saved, the grads of
     # all later units exist: measured at the first unit's recompute, every-1 checkpointing).
     grads_on_device = not s.offload or s.device_is_cpu
+    # LoRA on more than one rank: the adapters' gradient bucket (engine/replicated.py `pending`, fp32, all adapters)
+    # is allocated at the first adapter gradient, in the last unit's backward, and lives until the end of backward.
+    bucket = 4 * lora_p if s.world > 1 else 0
     unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
 
     def unit_backward(i: int) -> dict[str, int]:
@@ -259,8 +262,9 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
             held = held_fwd
         else:
             held = gathered(root) + unit_g[i] + (unit_g[i - 1] if i and s.prefetch else 0)
-        return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad,
-                "gathered": held + offload_copy + nf4_extra, "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
+        return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket,
+                "gathered": held + offload_copy + nf4_extra,
+                "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
                 + bsh + 2 * bsi}
     # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
     # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
@@ -283,8 +287,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                              default={**static, "grads": 0, "gathered": 0, "activations": 0}),
         # The engine frees a unit's gathered buffer at its last parameter grad, before autograd cats the flat
         # grad (engine/unit.py _on_param_grad): the cat and the reduce run without it (unless aliased at W=1).
-        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat, **after_last_grad},
-        "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red, **after_last_grad},
+        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat + bucket, **after_last_grad},
+        "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red + bucket, **after_last_grad},
         "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat,
                          "gathered": (gathered(root) if aliased_units else 0) + offload_copy, "activations": 0},
         "root-reduce": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_red,

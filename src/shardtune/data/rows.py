@@ -1,0 +1,74 @@
+"""A memory-mapped split of a cache entry: `take(row_indices)` -> padded numpy rows of seq_len.
+
+Nothing is read up front: the Arrow documents and the two layout arrays are memory maps, so a rank's resident
+data memory is the pages it has touched (shared with the other ranks of the node through the page cache), and
+no torch tensor holds the dataset (the CPU memory tracker counts tensors only). A batch costs one Arrow `take`
+of its documents plus a Python loop over them: microseconds per row, once per step.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shardtune.data.formats import IGNORE
+
+
+def open_documents(entry: Path, files: list[str]) -> pa.Table:
+    """The tokenized documents of every piece as one table of memory-mapped chunks (no copy). The files are the
+    Arrow IPC streams `datasets.map` wrote; pyarrow reads them directly, so a cache hit never imports `datasets`
+    (~1-2 s)."""
+    tables = [pa.ipc.open_stream(pa.memory_map(str(entry / f))).read_all() for f in files]
+    return pa.concat_tables(tables).select(["input_ids", "target"])
+
+
+class PackedRows:
+    """One split (train or eval). Row r = documents docs[rows[r]:rows[r+1]] back to back, then padding."""
+
+    def __init__(self, entry: Path, split: str, documents: pa.Table, manifest: dict[str, Any]) -> None:
+        self.docs = np.load(entry / f"{split}_docs.npy", mmap_mode="r")  # [num_docs] document ids, in order
+        self.rows = np.load(entry / f"{split}_rows.npy", mmap_mode="r")  # [num_rows + 1] offsets into docs
+        self.documents = documents
+        # Per-chunk access: `ChunkedArray.take` on list columns concatenates the chunks first, i.e. copies the whole
+        # column into anonymous memory at every step (RSS growing with the dataset). One document at a time from
+        # its own chunk copies only that document.
+        self._ids = documents.column("input_ids").chunks
+        self._target = documents.column("target").chunks
+        self._starts = np.cumsum([0] + [len(c) for c in self._ids])  # first document id of each chunk
+        self.seq_len: int = manifest["seq_len"]
+        self.pad_id: int = manifest["pad_id"]
+        self.num_truncated: int = manifest["stats"][split]["truncated"]
+
+    def __len__(self) -> int:
+        return len(self.rows) - 1
+
+    def take(self, idx: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """input_ids, labels (IGNORE where no loss), position_ids: int64 [len(idx), seq_len]. Position ids restart
+        at 0 per document (and for the padding), which keeps attention inside a packed document."""
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        spans = [(int(self.rows[r]), int(self.rows[r + 1])) for r in idx]
+        docs = []  # (ids, target) per document, numpy views/copies of one document each
+        for a, b in spans:
+            for d in self.docs[a:b]:
+                c = int(np.searchsorted(self._starts, d, side="right")) - 1
+                i = int(d) - int(self._starts[c])
+                docs.append((self._ids[c][i].values.to_numpy(zero_copy_only=False).astype(np.int64),
+                             self._target[c][i].values.to_numpy(zero_copy_only=False)))
+        n, s = len(idx), self.seq_len
+        input_ids = np.full((n, s), self.pad_id, dtype=np.int64)
+        labels = np.full((n, s), IGNORE, dtype=np.int64)
+        positions = np.zeros((n, s), dtype=np.int64)
+        d = 0  # next document of `docs`
+        for i, (a, b) in enumerate(spans):
+            col = 0
+            for _ in range(b - a):
+                toks, target = docs[d]
+                k = len(toks)
+                input_ids[i, col : col + k] = toks
+                labels[i, col : col + k] = np.where(target, toks, IGNORE)
+                positions[i, col : col + k] = np.arange(k)
+                col, d = col + k, d + 1
+            positions[i, col:] = np.arange(s - col)  # padding is its own "document"
+        return input_ids, labels, positions
