@@ -73,7 +73,7 @@ def _checkpointing(every_k: int) -> None:
     states: list[tuple[int, ShardState]] = []
     def record(i: int, u):
         def hook(module, args) -> None:
-            if sharded.ctx.in_backward:
+            if sharded.ctx.step.in_backward:
                 states.append((i, u.state))
         return hook
 
