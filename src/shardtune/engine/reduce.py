@@ -80,20 +80,22 @@ class GradReducer:
             return
         if acc is not None:
             grad = self.unsharded.pop(flat).add_(grad)
+        self._promote()
+        while len(self._in_flight) >= self.max_in_flight:  # retire before the cast and the issue: the bound holds
+            self._retire(self._in_flight.popleft())        # at every peak
         # Ours to overwrite: autograd's flat gradient (or the no-sync accumulator) is never seen by anyone else.
         full = grad.to(self.reduce_dtype)  # no copy when already in reduce_dtype
         del grad, acc
-        self._promote()
-        while len(self._in_flight) >= self.max_in_flight:  # retire before issuing: the bound holds at every peak
-            self._retire(self._in_flight.popleft())
         self.num_issued += 1
         if self.stream is not None:  # the reduce stream may read `full` only after the compute stream wrote it
             ready = torch.cuda.Event()
             ready.record()
             self.stream.wait_event(ready)
+        out = None
+        if self.shard_group is not None:  # allocated on the compute stream, like `full` (see the module docstring)
+            out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=full.device)  # 1D, P/W
         with self._on_stream():
-            if self.shard_group is not None:
-                out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=full.device)  # 1D, P/W
+            if out is not None:
                 work = reduce_scatter_into(out, full, self.shard_group, self.counter, full_is_scratch=True,
                                            async_op=True, ring=self.gloo_ring)
                 item = _Pending(flat, full, out, work, self.replicate_group is not None)

@@ -3,7 +3,8 @@
 They are small (MBs), so sharding them would cost a collective per unit for nothing. Every rank holds the same fp32
 values and steps them identically; what must be made identical is their gradient: autograd accumulates each rank's
 local gradient in `p.grad`, and a synced backward sums it over all ranks (our gradient contract: SUM, see api.py)
-with ONE all-reduce of one flat bucket over every adapter, at the end of backward.
+with ONE all-reduce of one flat bucket over every adapter, issued at the end of backward (async: it overlaps the
+wait for the units' last reductions, engine/step.py) and waited for before backward returns.
 
 Accumulation across micro-steps: a hook on each parameter takes the new local gradient before autograd accumulates
 it, adds it into `pending` (1D, fp32, numel = all adapters) and hands autograd zeros instead, so `p.grad` only ever
