@@ -105,21 +105,22 @@ class GradReducer:
         self._in_flight.append(item)
 
     def _promote(self) -> None:
-        """Hybrid: issue the replica all-reduce of every pending reduce-scatter (the newest finished long ago on
-        CUDA's timeline; gloo waits for it here). Sums the new contribution only: no double count with the grad."""
+        """Hybrid: issue the replica all-reduce of every pending reduce-scatter. Sums the new contribution only (the
+        accumulated shard grad is already summed): no double count."""
         for item in self._in_flight:
-            if item.all_reduce_left:
-                with self._on_stream():
-                    if item.work is not None:
-                        item.work.wait()  # CUDA: the reduce stream waits, not the CPU
-                    item.work = all_reduce_(item.out, self.replicate_group, self.counter, async_op=True)
-                item.all_reduce_left = False
+            self._issue_all_reduce(item)
+
+    def _issue_all_reduce(self, item: _Pending) -> None:
+        if not item.all_reduce_left:
+            return
+        with self._on_stream():
+            if item.work is not None:
+                item.work.wait()  # CUDA: the reduce stream waits for the reduce-scatter, the CPU goes on; gloo: blocks
+            item.work = all_reduce_(item.out, self.replicate_group, self.counter, async_op=True)
+        item.all_reduce_left = False
 
     def _retire(self, item: _Pending) -> None:
-        if item.all_reduce_left:
-            self._in_flight.appendleft(item)
-            self._promote()
-            self._in_flight.popleft()
+        self._issue_all_reduce(item)
         if not self.offload:
             if item.work is not None:
                 item.work.wait()  # CUDA: the compute stream waits for the collective; then it adds the result
