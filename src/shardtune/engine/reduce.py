@@ -10,8 +10,10 @@ Pipeline of one flat gradient (1D, compute dtype, numel P, handed over by the un
   retire  wait for the last collective, then add the output into the sharded gradient (device), or copy it
           non-blocking into a pinned host buffer and record an event (CPU offload; the host add happens in `wait`).
 At most `max_in_flight` reductions are issued and not retired: each keeps its gradient (P, reduce dtype) and its
-output (P/W) alive. With the default 1, the reduction of unit i overlaps the backward compute of unit i-1 and the
-backward holds at most one unit's gradient more than a synchronous reduction would (plan/estimate.py counts it).
+output (P/W) alive. With the default 1, the reduction of unit i overlaps the backward compute of unit i-1 up to
+its last parameter gradient and is retired before autograd concatenates unit i-1's flat gradient (`make_room`):
+inside a unit's backward it holds one unit's gradient more than a synchronous reduction would (plan/estimate.py
+counts it), at the gradient cats (the usual peak: the root's embeddings + head at the end) nothing more.
 Every rank issues, promotes and retires at the same program points (never on `is_completed()`, which differs per
 rank), so the collectives of each group run in the same order everywhere.
 
@@ -80,9 +82,7 @@ class GradReducer:
             return
         if acc is not None:
             grad = self.unsharded.pop(flat).add_(grad)
-        self._promote()
-        while len(self._in_flight) >= self.max_in_flight:  # retire before the cast and the issue: the bound holds
-            self._retire(self._in_flight.popleft())        # at every peak
+        self.make_room()  # before the cast and the issue: the bound holds at every peak
         # Ours to overwrite: autograd's flat gradient (or the no-sync accumulator) is never seen by anyone else.
         full = grad.to(self.reduce_dtype)  # no copy when already in reduce_dtype
         del grad, acc
@@ -103,6 +103,14 @@ class GradReducer:
                 work = all_reduce_(full, self.replicate_group, self.counter, async_op=True)
                 item = _Pending(flat, None, full, work, False)
         self._in_flight.append(item)
+
+    def make_room(self) -> None:
+        """Retire the oldest reductions until fewer than `max_in_flight` are pending. Called before a new one is
+        issued and (units whose parameters are all trainable) just before autograd concatenates the next flat
+        gradient, so the gradient cat, the backward's memory peak, never coexists with a full in-flight window."""
+        self._promote()
+        while len(self._in_flight) >= self.max_in_flight:
+            self._retire(self._in_flight.popleft())
 
     def _promote(self) -> None:
         """Hybrid: issue the replica all-reduce of every pending reduce-scatter. Sums the new contribution only (the

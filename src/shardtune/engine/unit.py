@@ -198,10 +198,14 @@ class Unit:
 
     def _on_param_grad(self, grad: torch.Tensor) -> None:
         """Gradient of one parameter view computed. After the last one the unit's backward needs no parameter
-        any more: free the gathered buffer before autograd cats the flat gradient (peak -1 unit)."""
+        any more: free the gathered buffer before autograd cats the flat gradient (peak -1 unit), and retire the
+        reduction in flight (peak unchanged by async reduction)."""
         self._param_grads_left -= 1
         if self._param_grads_left == 0:
             self.reshard()
+            # The flat gradient's cat comes next: retire the previous unit's reduction first (it overlapped this
+            # unit's whole backward), so the cat never holds it too: the backward peak does not grow.
+            self.ctx.reducer.make_room()
 
     def _on_inputs_grad(self, _: Any) -> None:
         """Every path from the unit's outputs to its inputs has run: no frozen weight is needed any more."""

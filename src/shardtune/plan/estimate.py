@@ -223,8 +223,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         return 2 * p * c, max(p * c + cast, (cast or p * c) + out)
 
     def in_flight(i: int) -> int:
-        """Unit i's reduction still in flight (engine/reduce.py, one at a time) while the backward goes on: its
-        gradient in reduce_dtype (the output is counted with the sharded grads). Without a shard group (W=1,
+        """Unit i's reduction still in flight (engine/reduce.py, one at a time) during unit i-1's backward (retired
+        before its gradient cat): its gradient in reduce_dtype (the output is counted with the sharded grads). Without a shard group (W=1,
         no_shard) the gradient is its own output: nothing extra."""
         t = blocks[i].trainable if 0 <= i < len(blocks) and W > 1 else None
         return t.padded_numel * _size(s.reduce) if t is not None else 0
@@ -274,7 +274,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         # grad (engine/unit.py _on_param_grad): the cat and the reduce run without it (unless aliased at W=1).
         "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat, **after_last_grad},
         "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red, **after_last_grad},
-        "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat + in_flight(0),
+        "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat,
                          "gathered": (gathered(root) if aliased_units else 0) + offload_copy, "activations": 0},
         "root-reduce": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_red,
                         "gathered": offload_copy, "activations": 0},
