@@ -1,5 +1,6 @@
 """Issue-4 engine features, fp32 and bf16: mixed-precision collective dtypes, activation checkpointing (identical
-losses, no gather inside recompute, activation memory falls), CPU offload (same numbers, host-resident states)."""
+losses, no gather inside recompute, activation memory falls), CPU offload (same numbers, host-resident states, the
+reducer's host copies). Issue 13: async reductions bounded in flight; a backward that raises leaves it usable."""
 from __future__ import annotations
 
 import dataclasses
@@ -73,7 +74,7 @@ def _checkpointing(every_k: int) -> None:
     states: list[tuple[int, ShardState]] = []
     def record(i: int, u):
         def hook(module, args) -> None:
-            if sharded.ctx.in_backward:
+            if sharded.ctx.step.in_backward:
                 states.append((i, u.state))
         return hook
 
@@ -112,10 +113,23 @@ def _activation_memory() -> None:
 
 
 def _offload(strategy: str, device: str = "cpu") -> None:
-    """Offload: identical numbers; shards, grads and AdamW state on the host (pinned with CUDA)."""
-    _, _, _, plain = _run(strategy=strategy, device=device)
-    _, sharded, opt, offloaded = _run(strategy=strategy, offload=True, device=device)
+    """Offload: identical numbers; every reduced gradient goes through the reducer's host copy (pinned with CUDA)
+    into host shard grads; shards and AdamW state on the host."""
+    _, plain_sharded, _, plain = _run(strategy=strategy, device=device)
+    assert plain_sharded.ctx.reducer.num_host_copies == 0
+    grad_devices: list[tuple[str, bool]] = []
+
+    def host_grads(sharded) -> None:
+        grad_devices.extend((g.device.type, g.is_pinned()) for u in sharded.units for f in u.flats
+                            if (g := f.shard_grad()) is not None)
+
+    model, sharded, opt, offloaded = _run(strategy=strategy, offload=True, device=device)
     assert offloaded == plain
+    reducer = sharded.ctx.reducer
+    assert reducer.num_issued > 0 and reducer.num_host_copies == reducer.num_issued  # one D2H per reduction
+    train_step(model, sharded, opt, NUM_STEPS, accum=2, sync_each=True, device=device,
+               before_step=lambda: host_grads(sharded))
+    assert grad_devices and set(grad_devices) == {("cpu", device == "cuda")}, grad_devices
     for u in sharded.units:
         for f in u.flats:
             assert f.shard.device.type == "cpu" and f.shard.is_pinned() == (device == "cuda")
@@ -125,18 +139,82 @@ def _offload(strategy: str, device: str = "cpu") -> None:
             assert p.device.type == "cpu" and all(t.device.type == "cpu" for t in opt.state[p].values())
 
 
+def _in_flight(max_in_flight: int) -> None:
+    """Reductions are asynchronous: while later units' backward runs, earlier units' reductions are pending, never
+    more than the bound; all are done when backward returns."""
+    model = build_model("tiny-llama")
+    sharded = shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()),
+                          device=torch.device("cpu"))
+    reducer = sharded.ctx.reducer
+    reducer.max_in_flight = max_in_flight
+    seen: list[int] = []
+    for u in sharded.units[:-1]:  # a hook on each unit's output: fires as that unit's backward starts
+        u.module.register_forward_hook(_on_output_grad(lambda: seen.append(reducer.pending())))
+    ids, labels = global_batch(0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    token_loss_sum(model, ids.chunk(world)[rank], labels.chunk(world)[rank]).backward()
+    units = len(sharded.units) - 1
+    # Unit L-1 starts with nothing pending; unit i < L-1 while unit i+1's (and i+2's, ...) reduction is in flight.
+    assert seen == [min(k, max_in_flight) for k in range(units)], seen
+    assert reducer.pending() == 0 and reducer.num_issued == units + 1
+
+
+def _on_output_grad(fn):
+    """A forward hook calling `fn()` when the gradient of the module's (first) output is computed."""
+    def hook(module, args, out) -> None:
+        (out if isinstance(out, torch.Tensor) else out[0]).register_hook(lambda grad: fn())
+    return hook
+
+
+def _backward_raises(strategy: str, sync_each: bool) -> None:
+    """A backward that raises (an OOM the caller catches) leaves the engine usable: the caller drops the step's
+    gradients and redoes it; every loss equals a clean run's."""
+    model = build_model("tiny-llama")
+    sharded = shard_model(model, policy_for(model, strategy, world=dist.get_world_size()), device=torch.device("cpu"))
+    opt = adamw(sharded.optimizer_param_groups(0.1))
+    armed = [False]
+
+    def boom() -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("injected failure in backward")
+
+    # Unit 1's backward: later units have issued their reductions, unit 0 is being prefetched.
+    sharded.units[1].module.register_forward_hook(_on_output_grad(boom))
+    losses = []
+    for step in range(3):
+        if step == 1:
+            armed[0] = True
+            with pytest.raises(RuntimeError, match="injected"):
+                train_step(model, sharded, opt, step, accum=2, sync_each=sync_each)
+            opt.zero_grad(set_to_none=True)
+        losses.append(train_step(model, sharded, opt, step, accum=2, sync_each=sync_each))
+    aborted, pending = sharded.ctx.step.num_aborted, sharded.ctx.reducer.pending()
+    model = build_model("tiny-llama")
+    sharded = shard_model(model, policy_for(model, strategy, world=dist.get_world_size()), device=torch.device("cpu"))
+    opt = adamw(sharded.optimizer_param_groups(0.1))
+    clean = [train_step(model, sharded, opt, step, accum=2, sync_each=sync_each) for step in range(3)]
+    assert losses == clean, (losses, clean)
+    assert aborted == 1 and pending == 0
+
+
 def _all(kind: str, **kw) -> None:
-    {"mp": _mixed_precision, "ckpt": _checkpointing, "mem": _activation_memory, "offload": _offload}[kind](**kw)
+    {"mp": _mixed_precision, "ckpt": _checkpointing, "mem": _activation_memory, "offload": _offload,
+     "in_flight": _in_flight, "raises": _backward_raises}[kind](**kw)
 
 
 def test_engine_features_2_ranks() -> None:
     run_distributed(_all, 2, [dict(kind="mp", reduce_dtype=torch.float32), dict(kind="mp", reduce_dtype=torch.bfloat16),
                               dict(kind="ckpt", every_k=1), dict(kind="ckpt", every_k=2), dict(kind="mem"),
-                              dict(kind="offload", strategy="full_shard"), dict(kind="offload", strategy="no_shard")])
+                              dict(kind="offload", strategy="full_shard"), dict(kind="offload", strategy="no_shard"),
+                              dict(kind="in_flight", max_in_flight=1), dict(kind="in_flight", max_in_flight=2),
+                              dict(kind="raises", strategy="full_shard", sync_each=True),
+                              dict(kind="raises", strategy="full_shard", sync_each=False)])
 
 
 def test_engine_features_4_ranks() -> None:
-    run_distributed(_all, 4, [dict(kind="ckpt", every_k=1), dict(kind="offload", strategy="hybrid_shard")])
+    run_distributed(_all, 4, [dict(kind="ckpt", every_k=1), dict(kind="offload", strategy="hybrid_shard"),
+                              dict(kind="raises", strategy="hybrid_shard", sync_each=True)])
 
 
 @pytest.mark.gpu

@@ -64,10 +64,12 @@ def reference_run(model_name: str, accum: int) -> dict:
 
 
 def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend: str = "shardtune",
-            checkpointing: bool = False) -> None:
+            checkpointing: bool = False, generic: bool = False, max_in_flight: int = 1) -> None:
+    """`generic`: reduce-scatter with `reduce_scatter_single`, the branch NCCL runs, instead of our gloo ring.
+    `max_in_flight`: how many async reductions may be pending at once (reduce.py)."""
     ref = reference_run(model_name, accum)
     model = build_model(model_name)
-    if checkpointing:  # recompute re-enters the units' forward hooks inside backward (design check for issue 4)
+    if checkpointing:  # HF's own (transformers 5 checkpoints `forward`: the recompute runs inside our hooks' gather)
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = policy_for(model, strategy, world=dist.get_world_size())
@@ -75,6 +77,9 @@ def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend
     sharded = lib.shard_model(model, policy, device=torch.device("cpu"))
     opt = adamw(sharded.optimizer_param_groups(0.1))
     ours = backend == "shardtune"
+    if ours:
+        sharded.ctx.reducer.gloo_ring = not generic
+        sharded.ctx.reducer.max_in_flight = max_in_flight
     if ours:
         check_shards(sharded, ref["init"], None)
     for step in range(NUM_STEPS):
@@ -84,6 +89,7 @@ def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend
         assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), (step, loss, ref_loss)
         torch.testing.assert_close(norm, ref["norms"][step], rtol=1e-4, atol=0)
     if ours:
+        assert sharded.ctx.reducer.num_issued > 0 and sharded.ctx.reducer.pending() == 0
         for u in sharded.units:  # after 20 AdamW steps the master shards still track the reference
             for flat in u.flats:
                 torch.testing.assert_close(flat.shard, expected_shard(flat, ref["final"]), rtol=1e-4, atol=1e-5)
@@ -99,13 +105,16 @@ def _settings(strategies: list[str], accum: list[dict]) -> list[dict]:
 def test_parity_2_ranks() -> None:
     # accumulation both ways on full_shard; the other strategies share the same reduce path per micro-step
     run_distributed(_parity, 2, _settings(["full_shard"], ACCUM) + _settings(["shard_grad_op", "no_shard"], ACCUM[:1])
-                    + [dict(model_name="tiny-llama", strategy="full_shard", **ACCUM[0], checkpointing=True)])
+                    + [dict(model_name="tiny-llama", strategy="full_shard", **ACCUM[0], checkpointing=True)]
+                    # the collective NCCL runs, on gloo, with two reductions in flight
+                    + [dict(model_name="tiny-llama", strategy="full_shard", **ACCUM[1], generic=True, max_in_flight=2)])
 
 
 def test_parity_4_ranks() -> None:
     run_distributed(_parity, 4, _settings(["full_shard", "hybrid_shard"], ACCUM[:1])
                     + [dict(model_name="tiny-llama", strategy=s, **ACCUM[0]) for s in ["shard_grad_op", "no_shard"]]
-                    + [dict(model_name="tiny-llama", strategy="hybrid_shard", **ACCUM[2])])
+                    + [dict(model_name="tiny-llama", strategy="hybrid_shard", **ACCUM[2]),
+                       dict(model_name="tiny-llama", strategy="hybrid_shard", **ACCUM[1], generic=True)])
 
 
 _BF16_LOSSES: dict[str, list[float]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,36 +47,64 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup, counter: CommCounter,
-                        *, full_is_scratch: bool = False) -> None:
-    """out (1D, numel = full.numel / W) <- this rank's slice of the SUM over ranks of `full`.
+                        *, full_is_scratch: bool = False, async_op: bool = False, ring: bool = True) -> Any:
+    """out (1D, numel = full.numel / W) <- this rank's slice of the SUM over ranks of `full`. With `async_op`
+    returns a handle to `wait()` on (None when nothing is in flight); `out` and `full` must stay alive until then.
 
     `full_is_scratch=True` lets it overwrite `full`: on gloo we then run our own ring over send/recv, in place
     (one chunk of scratch), because gloo's reduce_scatter first copies its whole input into a scratch buffer:
     +1 unit of peak memory at every reduce-scatter, the root's embeddings + head at the end of backward.
     Same bytes either way: W-1 steps, each sending and receiving one chunk of numel N/W.
+    `ring=False` takes the generic `reduce_scatter_single` (what NCCL runs) even on gloo: tests cover it on CPU.
     """
     world = dist.get_world_size(group)
     assert full.numel() == world * out.numel() and out.dtype == full.dtype
     if world == 1:
         out.copy_(full)
-        return
+        return None
     counter.add("reduce_scatter", full.dtype, _ring_bytes(full.numel(), full.element_size(), world))
-    if not (full_is_scratch and dist.get_backend(group) == "gloo"):
-        dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
-        return
-    rank = dist.get_rank(group)
-    nxt, prev = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
-    chunks = full.chunk(world)  # equal: `full` is padded to a multiple of W
-    for step in range(world - 1):
-        # Rank r sends chunk r-k-1 (its partial sum so far) to r+1 and adds chunk r-k-2 from r-1 into its own;
-        # after W-1 steps chunk r holds the full sum.
-        send = dist.isend(chunks[(rank - step - 1) % world], dst=nxt, group=group)
-        dist.recv(out, src=prev, group=group)
-        if step < world - 2:
-            chunks[(rank - step - 2) % world].add_(out)
-        else:
-            out.add_(chunks[rank])
-        send.wait()
+    if not (ring and full_is_scratch and dist.get_backend(group) == "gloo"):
+        return dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = _RingReduceScatter(out, full, group)
+    if not async_op:
+        work.wait()
+        return None
+    return work
+
+
+class _RingReduceScatter:
+    """Our in-place gloo ring as an async collective. Step k: rank r sends chunk r-k-1 (its partial sum so far) to
+    r+1 and adds chunk r-k-2 received from r-1 into its own; after W-1 steps chunk r holds the full sum. Each step's
+    send and receive are posted without blocking (gloo moves the bytes on its own threads); the adds need the CPU,
+    so `wait()` runs them and posts the next step. With 2 ranks the whole transfer overlaps until `wait()`."""
+
+    def __init__(self, out: torch.Tensor, full: torch.Tensor, group: ProcessGroup) -> None:
+        self._out, self._group = out, group
+        self._world, self._rank = dist.get_world_size(group), dist.get_rank(group)
+        self._next = dist.get_global_rank(group, (self._rank + 1) % self._world)
+        self._prev = dist.get_global_rank(group, (self._rank - 1) % self._world)
+        self._chunks = full.chunk(self._world)  # equal: `full` is padded to a multiple of W
+        self._step = 0
+        self._post()
+
+    def _post(self) -> None:
+        k, r, w = self._step, self._rank, self._world
+        self._send = dist.isend(self._chunks[(r - k - 1) % w], dst=self._next, group=self._group)
+        self._recv = dist.irecv(self._out, src=self._prev, group=self._group)
+
+    def wait(self) -> bool:
+        r, w = self._rank, self._world
+        while self._step < w - 1:
+            self._recv.wait()
+            if self._step < w - 2:
+                self._chunks[(r - self._step - 2) % w].add_(self._out)
+            else:
+                self._out.add_(self._chunks[r])
+            self._send.wait()
+            self._step += 1
+            if self._step < w - 1:
+                self._post()
+        return True
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, counter: CommCounter,

@@ -82,6 +82,7 @@ class FlatParam:
                 if a < b:
                     self.segments.append((decay, a, b, nn.Parameter(self.shard[a:b])))
         self._shard_grad_ref: weakref.ref[torch.Tensor] | None = None  # weak: zero_grad(set_to_none) frees it
+        self._h2d_done: torch.cuda.Event | None = None  # offload on CUDA: the last H2D copy of the shard
 
         # No shard group and no cast: the shard IS the full buffer (no_shard fp32); never freed, nothing copied.
         self.aliased = shard_size == 1 and compute_dtype == self.dtype and self.shard.device == device
@@ -123,7 +124,19 @@ class FlatParam:
     def gather_input(self) -> torch.Tensor:
         """What this rank sends in the all-gather: its shard on the compute device (offload: the H2D copy, a no-op
         on CPU), cast to the compute dtype (halves bytes for bf16)."""
-        return self.shard.to(self.device, non_blocking=True).to(self.compute_dtype)  # no copy when already so
+        send = self.shard.to(self.device, non_blocking=True)  # offload on CUDA: async from pinned memory
+        if send is not self.shard and self.device.type == "cuda":
+            # The copy reads the host shard when the stream gets there; the host optimizer must not write the shard
+            # before: `wait_host_reads` blocks on this event (the last copy of the step covers the earlier ones).
+            self._h2d_done = torch.cuda.Event()
+            self._h2d_done.record()
+        return send.to(self.compute_dtype)  # no copy when already so
+
+    def wait_host_reads(self) -> None:
+        """Offload: block until the device has finished copying the host shard (before the optimizer writes it)."""
+        if self._h2d_done is not None:
+            self._h2d_done.synchronize()
+            self._h2d_done = None
 
     def bind_views(self, *, requires_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Point every original parameter attribute at its view of `full`. Returns the tensor the views come from
@@ -157,7 +170,7 @@ class FlatParam:
         """shard grad += new (1D, numel P/W); `new` is owned by us and becomes the grad when there is none."""
         if not self.segments:
             return  # this rank owns only padding
-        new = new.to(self.shard.device, self.dtype)  # offload: D2H of the reduced shard (no copy when already so)
+        new = new.to(self.shard.device, self.dtype)  # offload: the reducer already copied it to the host
         base = self.shard_grad()
         if base is None:
             base = new

@@ -3,7 +3,8 @@
 They are small (MBs), so sharding them would cost a collective per unit for nothing. Every rank holds the same fp32
 values and steps them identically; what must be made identical is their gradient: autograd accumulates each rank's
 local gradient in `p.grad`, and a synced backward sums it over all ranks (our gradient contract: SUM, see api.py)
-with ONE all-reduce of one flat bucket over every adapter, at the end of backward.
+with ONE all-reduce of one flat bucket over every adapter, issued at the end of backward (async: it overlaps the
+wait for the units' last reductions, engine/step.py) and waited for before backward returns.
 
 Accumulation across micro-steps: a hook on each parameter takes the new local gradient before autograd accumulates
 it, adds it into `pending` (1D, fp32, numel = all adapters) and hands autograd zeros instead, so `p.grad` only ever
@@ -31,6 +32,7 @@ class ReplicatedParams:
         self.group = group  # None: one rank, nothing to reduce
         self.counter = counter
         self.pending: torch.Tensor | None = None  # 1D, fp32, sum of local grads not reduced yet
+        self._work = None  # the all-reduce of `pending` in flight, between start_reduce and finish_reduce
         self._offsets: list[int] = []
         offset = 0
         for _, p in params:
@@ -49,19 +51,34 @@ class ReplicatedParams:
         self.pending[a:a + grad.numel()].add_(grad.reshape(-1))
         return grad.new_zeros(()).expand_as(grad)  # what autograd accumulates instead: nothing
 
-    def reduce(self) -> None:
-        """End of a synced backward: sum the pending local gradients over ranks (one all-reduce)."""
+    def start_reduce(self) -> None:
+        """End of a synced backward: sum the pending local gradients over ranks (one async all-reduce)."""
         if self.group is None or not self.params:
             return
         if self.pending is None:  # no adapter gradient on this rank: still join the collective
             self.pending = torch.zeros(self.numel, dtype=torch.float32, device=self.params[0][1].device)
-        all_reduce_(self.pending, self.group, self.counter)
+        self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True)
+
+    def finish_reduce(self) -> None:
+        """Wait for `start_reduce`'s all-reduce (it overlapped the units' last reductions) and add it to p.grad."""
+        if self.group is None or not self.params:
+            return
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
         for (_, p), a in zip(self.params, self._offsets, strict=True):
             reduced = self.pending[a:a + p.numel()].view_as(p)
             if p.grad is None:
                 p.grad = reduced.to(p.dtype, copy=True)
             else:
                 p.grad.add_(reduced)
+        self.pending = None
+
+    def abandon(self) -> None:
+        """A backward raised: wait for an all-reduce in flight (its bucket must outlive it), drop the local sums."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
         self.pending = None
 
     def grads(self) -> list[torch.Tensor]:

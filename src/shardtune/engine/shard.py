@@ -21,6 +21,7 @@ from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
 from shardtune.engine.flat_param import FlatParam
 from shardtune.engine.layout import group_unit_params, replicated_params
 from shardtune.engine.quantized import QuantizedFlat
+from shardtune.engine.reduce import GradReducer
 from shardtune.engine.replicated import ReplicatedParams
 from shardtune.engine.unit import EngineContext, Unit, group_size
 from shardtune.errors import UserError
@@ -73,7 +74,16 @@ class ShardtuneModel:
         return [{"params": [p for d, p in params if d], "weight_decay": weight_decay},
                 {"params": [p for d, p in params if not d], "weight_decay": 0.0}]
 
+    def wait_reductions(self) -> None:
+        """Every gradient reduced into its shard and every offload copy done (CPU: blocks on their events). Clipping
+        calls it; call it before reading shard gradients or stepping without clipping."""
+        self.ctx.reducer.wait()
+        for u in self.units:
+            for flat in u.flats:
+                flat.wait_host_reads()  # the host optimizer may now write shards the device was copying
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        self.wait_reductions()
         grads = [p.grad for _, p in self._segments() if p.grad is not None]
         sq = _sq_norm(grads, self.ctx.device)
         # Sum over the shard group only: replicas (hybrid/no_shard) hold identical shards. Padding is not in any
@@ -90,7 +100,7 @@ class ShardtuneModel:
         return total
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
-        self.ctx.requires_grad_sync = sync
+        self.ctx.step.requires_grad_sync = sync
 
     def comm_bytes(self) -> int:
         return self.ctx.counter.bytes
@@ -98,7 +108,8 @@ class ShardtuneModel:
     def model_state_bytes(self) -> int:
         """This rank's sharded params (+ their grads when live) and unsharded grads kept while sync is off;
         excludes optimizer state and gathered parameter buffers."""
-        kept = sum(g.nbytes for u in self.units for g in u._unsharded_grads.values())
+        self.wait_reductions()
+        kept = sum(g.nbytes for g in self.ctx.reducer.unsharded.values())
         return sum(f.state_bytes() for u in self.units for f in u.flats) + kept + self.ctx.replicated.state_bytes()
 
     def padded_numels(self) -> list[list[int]]:
@@ -126,6 +137,7 @@ class ShardtuneModel:
     def checkpoint_state(self, optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> dict[str, Any]:
         from shardtune.engine import state_dict
 
+        self.wait_reductions()
         shard_rank = 0 if self.ctx.shard_group is None else dist.get_rank(self.ctx.shard_group)
         return state_dict.checkpoint_state(self.units, shard_rank, group_size(self.ctx.shard_group), optimizer,
                                            self.module, for_load=for_load)
@@ -174,6 +186,9 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     replicated = replicated_params(module, policy)
     for _, p in replicated:
         p.data = p.data.to(device=device, dtype=torch.float32)
+    ctx.reducer = GradReducer(shard_group=shard_group, replicate_group=replicate_group,
+                              reduce_dtype=ctx.reduce_dtype, device=device, counter=ctx.counter,
+                              offload=policy.cpu_offload)
     world = dist.get_world_size()
     ctx.replicated = ReplicatedParams(replicated, dist.group.WORLD if world > 1 else None, ctx.counter)
 

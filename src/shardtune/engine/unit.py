@@ -3,23 +3,24 @@
 State machine per unit:  SHARDED --unshard()--> GATHERING --wait()--> UNSHARDED --reshard()--> SHARDED.
 
 One training step of full_shard (units 0..L-1 in forward order, the root unit holds embeddings/norm/head):
-  forward : root pre-hook gathers the root and prefetches unit 0; unit i's pre-hook waits for its gather and
-            prefetches unit i+1; its post-hook frees it, except the last unit (backward needs it first: saves one
-            all-gather) and under shard_grad_op (all stay gathered until their backward). The root stays gathered.
+  forward : root pre-hook starts the iteration (step.py) and gathers the root, prefetching unit 0; unit i's pre-hook
+            waits for its gather and prefetches unit i+1; its post-hook frees it, except the last unit (backward
+            needs it first: saves one all-gather) and under shard_grad_op (all stay gathered until their backward).
+            The root stays gathered.
   backward: a hook on unit i's outputs (fires when their gradient is ready, just before the unit's backward)
             re-gathers unit i and prefetches unit i-1; hooks on the parameter views free the gathered buffer once
             every parameter's gradient exists (before autograd cats them into the flat gradient); when the flat
-            gradient reaches the leaf, the post-accumulate-grad hook reduce-scatters it into this rank's shard.
-  end     : an autograd-engine callback reduces any unit whose gradient never arrived (zeros; keeps collectives
-            matched across ranks) and reshards everything.
+            gradient reaches the leaf, the post-accumulate-grad hook hands it to the reducer (reduce.py), which
+            reduce-scatters it asynchronously into this rank's shard.
+  end     : an autograd-engine callback (step.py) reduces any flat whose gradient never arrived (zeros; keeps
+            collectives matched across ranks), waits for the reductions and reshards everything.
 Under no_grad (eval, generate) every unit, root included, is freed after its forward.
 Frozen weights (LoRA base) get no gradient hooks: a unit with frozen flats is freed when the gradient of its inputs
 is computed (an identity autograd Function on its inputs), i.e. as soon as its backward is over.
 Replicated params (LoRA adapters) are reduced in the end-of-backward callback, one bucket (replicated.py).
-With `apply_activation_checkpointing` (checkpointing.py) the recompute calls the unit's original forward without
-hooks, on the buffer its backward gathered. HF's own gradient checkpointing instead runs the forward hooks inside
-backward: there a unit is gathered but not freed and its
-views are not rebound (the saved views of the original leaf are refilled in place), so gradients still reach it.
+Activation checkpointing, ours (checkpointing.py) or HF's (transformers >= 5 checkpoints `forward`, not `__call__`),
+runs the recompute inside the unit's backward without its module hooks, on the buffer its backward gathered: no
+forward hook ever runs during backward.
 Limits: a unit's forward runs once per iteration (a module reused within one forward would rebind its views);
 the trainer calls the root module (its pre-hook starts the iteration).
 """
@@ -37,9 +38,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardtune.engine.api import ShardingStrategy
-from shardtune.engine.collectives import CommCounter, all_gather_into, all_reduce_, reduce_scatter_into
+from shardtune.engine.collectives import CommCounter, all_gather_into
 from shardtune.engine.flat_param import FlatParam
+from shardtune.engine.reduce import GradReducer
 from shardtune.engine.replicated import ReplicatedParams
+from shardtune.engine.step import StepState, begin_iteration, start_backward
 
 
 class ShardState(enum.Enum):
@@ -62,8 +65,8 @@ class EngineContext:
     root: Unit | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute device
     replicated: ReplicatedParams | None = None  # LoRA adapters: whole on every rank, one all-reduce per sync
-    requires_grad_sync: bool = True
-    in_backward: bool = False
+    reducer: GradReducer | None = None  # the units' gradient reductions in flight (reduce.py)
+    step: StepState = field(default_factory=StepState)  # per-iteration root state (step.py)
 
 
 class Unit:
@@ -83,7 +86,6 @@ class Unit:
         self._pre_backward_done = False
         self._inputs_grad_done = False  # the gradient of the unit's inputs has been computed (backward over)
         self._param_grads_left = 0  # parameter views whose gradient autograd has not produced yet
-        self._unsharded_grads: dict[int, torch.Tensor] = {}  # no-sync accumulation: flat -> 1D fp32, numel P
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
 
@@ -131,11 +133,8 @@ class Unit:
     # -- forward hooks ---------------------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> Any:
         ctx = self.ctx
-        if ctx.in_backward:  # activation-checkpoint recompute: gather, keep the original leaf's views
-            self.wait()
-            return None
         if self.is_root:
-            self._begin_iteration()
+            begin_iteration(ctx)
         self.wait()
         grad = torch.is_grad_enabled()
         self._leaves.clear()
@@ -170,8 +169,6 @@ class Unit:
         return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.ctx.in_backward:
-            return output
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
@@ -180,21 +177,17 @@ class Unit:
             self.reshard()
         return output
 
-    def _begin_iteration(self) -> None:
-        """Root pre-forward: drop state a forward without backward (eval with grad on) may have left."""
-        for u in [*self.ctx.units, self]:
-            if u.state is not ShardState.SHARDED:
-                u.reshard()
-            u._pending_post_backward.clear()
-            u._leaves.clear()
+    def reset(self) -> None:
+        """Iteration boundary (step.py): resharded, no gradient expected any more."""
+        if self.state is not ShardState.SHARDED:
+            self.reshard()
+        self._pending_post_backward.clear()
+        self._leaves.clear()
 
     # -- backward hooks --------------------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
-        if not ctx.in_backward:
-            ctx.in_backward = True
-            # Runs once the whole backward pass is done (CPU: on this thread; CUDA: after queued kernels).
-            torch.autograd.Variable._execution_engine.queue_callback(_final_callback(ctx))
+        start_backward(ctx)
         if self._pre_backward_done:
             return
         self._pre_backward_done = True
@@ -205,10 +198,14 @@ class Unit:
 
     def _on_param_grad(self, grad: torch.Tensor) -> None:
         """Gradient of one parameter view computed. After the last one the unit's backward needs no parameter
-        any more: free the gathered buffer before autograd cats the flat gradient (peak -1 unit)."""
+        any more: free the gathered buffer before autograd cats the flat gradient (peak -1 unit), and retire the
+        reduction in flight (peak unchanged by async reduction)."""
         self._param_grads_left -= 1
         if self._param_grads_left == 0:
             self.reshard()
+            # The flat gradient's cat comes next: retire the previous unit's reduction first (it overlapped this
+            # unit's whole backward), so the cat never holds it too: the backward peak does not grow.
+            self.ctx.reducer.make_room()
 
     def _on_inputs_grad(self, _: Any) -> None:
         """Every path from the unit's outputs to its inputs has run: no frozen weight is needed any more."""
@@ -217,58 +214,22 @@ class Unit:
             self.reshard()
 
     def _post_backward(self, i: int, leaf: torch.Tensor) -> None:
-        grads = [leaf.grad]  # 1D, compute dtype, numel P: the unit's flat gradient for this micro-batch
-        leaf.grad = None
+        grad = leaf.grad  # 1D, compute dtype, numel P: the unit's flat gradient for this micro-batch
+        leaf.grad = None  # the reducer holds the only reference: freed once reduced
         self._pending_post_backward.discard(i)
         if not self._pending_post_backward and (self._inputs_grad_done or all(f.requires_grad for f in self.flats)):
-            # Free the gathered parameters before reducing: gloo's reduce-scatter copies its input, so this
-            # lowers the backward peak by one unit (the root's embeddings + head for the last one).
+            # Free the gathered parameters before reducing: lowers the backward peak by one unit (the root's
+            # embeddings + head for the last one).
             self.reshard()
-        self._reduce_grad(i, grads)
+        self.ctx.reducer.reduce(self.flats[i], grad, sync=self.ctx.step.requires_grad_sync)
 
-    def _reduce_grad(self, i: int, grads: list[torch.Tensor]) -> None:
-        """`grads` holds the only reference to the flat gradient, so it is freed as soon as it is reduced."""
-        ctx, flat = self.ctx, self.flats[i]
-        grad = grads.pop()
-        if not ctx.requires_grad_sync:  # keep the unsharded gradient: +4·P bytes per unit, no traffic
-            acc = self._unsharded_grads.get(i)
-            if acc is None:
-                self._unsharded_grads[i] = grad.float() if grad.dtype != torch.float32 else grad
-            else:
-                acc.add_(grad)
-            return
-        acc = self._unsharded_grads.pop(i, None)
-        if acc is not None:
-            grad = acc.add_(grad)
-        # Ours to overwrite: autograd's flat gradient (or the no-sync accumulator) is never seen by anyone else.
-        full = grad.to(ctx.reduce_dtype)  # no copy when already in reduce_dtype
-        del grad, acc
-        if ctx.shard_group is not None:
-            out = torch.empty(flat.shard_numel, dtype=ctx.reduce_dtype, device=full.device)  # 1D, P/W
-            reduce_scatter_into(out, full, ctx.shard_group, ctx.counter, full_is_scratch=True)
-        else:
-            out = full
-        del full
-        # Hybrid / no_shard: sum the new contribution across replicas (not the accumulated grad: no double count).
-        all_reduce_(out, ctx.replicate_group, ctx.counter)
-        flat.accumulate_shard_grad(out)
-
-
-def _final_callback(ctx: EngineContext) -> Callable[[], None]:
-    def run() -> None:
-        for u in [*ctx.units, ctx.root]:
-            for i in sorted(u._pending_post_backward):
-                # No gradient reached this flat (unused parameters): reduce zeros so every rank runs the same
-                # collectives in the same order.
-                u._reduce_grad(i, [torch.zeros_like(u._leaves[i])])
-            u._pending_post_backward.clear()
-            u._leaves.clear()
-            if u.state is not ShardState.SHARDED:
-                u.reshard()
-        if ctx.replicated is not None and ctx.requires_grad_sync:
-            ctx.replicated.reduce()  # adapters: one bucketed all-reduce, after every unit's reduce-scatter
-        ctx.in_backward = False
-    return run
+    def reduce_missing_grads(self) -> None:
+        """End of backward: no gradient reached these flats (unused parameters): reduce zeros so every rank runs the
+        same collectives in the same order."""
+        for i in sorted(self._pending_post_backward):
+            self.ctx.reducer.reduce(self.flats[i], torch.zeros_like(self._leaves[i]),
+                                    sync=self.ctx.step.requires_grad_sync)
+        self._pending_post_backward.clear()
 
 
 class _InputsGradHook(torch.autograd.Function):

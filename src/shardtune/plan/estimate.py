@@ -236,6 +236,13 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         out = p // W * r if W > 1 else 0
         return 2 * p * c, max(p * c + cast, (cast or p * c) + out)
 
+    def in_flight(i: int) -> int:
+        """Unit i's reduction still in flight (engine/reduce.py, one at a time) during unit i-1's backward (retired
+        before its gradient cat): its gradient in reduce_dtype (the output is counted with the sharded grads). Without a shard group (W=1,
+        no_shard) the gradient is its own output: nothing extra."""
+        t = blocks[i].trainable if 0 <= i < len(blocks) and W > 1 else None
+        return t.padded_numel * _size(s.reduce) if t is not None else 0
+
     last_cat, last_red = handoff(blocks[-1]) if blocks else (0, 0)
     root_cat, root_red = handoff(root)
     aliased_units = aliased and s.compute == DTYPES[stats.recipe.model.dtype] and not s.lora
@@ -262,7 +269,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
             held = held_fwd
         else:
             held = gathered(root) + unit_g[i] + (unit_g[i - 1] if i and s.prefetch else 0)
-        return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket,
+        return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
+                + in_flight(i + 1),
                 "gathered": held + offload_copy + nf4_extra,
                 "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
                 + bsh + 2 * bsi}

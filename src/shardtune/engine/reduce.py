@@ -1,0 +1,186 @@
+"""Gradient reduction of the units' flat gradients: reduce-scatter into this rank's shard (and, under hybrid_shard /
+no_shard, an all-reduce across replicas), issued asynchronously and waited once per backward.
+
+Pipeline of one flat gradient (1D, compute dtype, numel P, handed over by the unit's post-accumulate-grad hook):
+  issue   cast to reduce_dtype on the compute stream; CUDA: the reduce stream waits on an event recorded on the
+          compute stream after the gradient was produced, and the collective is issued from it (async_op=True).
+          gloo: the same call returns a work handle whose bytes move on gloo's threads.
+  promote hybrid_shard: once the reduce-scatter is done, the replica all-reduce of its output is issued (CUDA: a
+          stream wait, the CPU goes on; gloo: the CPU waits for the reduce-scatter).
+  retire  wait for the last collective, then add the output into the sharded gradient (device), or copy it
+          non-blocking into a pinned host buffer and record an event (CPU offload; the host add happens in `wait`).
+At most `max_in_flight` reductions are issued and not retired: each keeps its gradient (P, reduce dtype) and its
+output (P/W) alive. With the default 1, the reduction of unit i overlaps the backward compute of unit i-1 up to
+its last parameter gradient and is retired before autograd concatenates unit i-1's flat gradient (`make_room`):
+inside a unit's backward it holds one unit's gradient more than a synchronous reduction would (plan/estimate.py
+counts it), at the gradient cats (the usual peak: the root's embeddings + head at the end) nothing more.
+Every rank issues, promotes and retires at the same program points (never on `is_completed()`, which differs per
+rank), so the collectives of each group run in the same order everywhere.
+
+Lifetimes on CUDA: the gradient and the output are allocated on the compute stream and referenced by the pending
+record until the compute stream has waited for the collective (`work.wait()` at retire), so the allocator cannot
+hand their memory to later compute work before the collective is done. Under offload the compute stream never
+waits (the D2H copy runs on the reduce stream), so both are `record_stream`ed on the reduce stream instead.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from shardtune.engine.collectives import CommCounter, all_reduce_, reduce_scatter_into
+from shardtune.engine.flat_param import FlatParam
+
+
+@dataclass
+class _Pending:
+    flat: FlatParam
+    full: torch.Tensor | None  # 1D, reduce dtype, numel P: the reduce-scatter input, alive until retired
+    out: torch.Tensor  # 1D, reduce dtype, numel P/W (P without a shard group): this rank's summed slice
+    work: Any  # the collective in flight (dist.Work or collectives' ring work), None when there is nothing to wait
+    all_reduce_left: bool  # hybrid_shard: the replica all-reduce of `out` is still to be issued
+
+
+class GradReducer:
+    def __init__(self, *, shard_group: ProcessGroup | None, replicate_group: ProcessGroup | None,
+                 reduce_dtype: torch.dtype, device: torch.device, counter: CommCounter, offload: bool,
+                 max_in_flight: int = 1) -> None:
+        assert max_in_flight >= 1
+        self.shard_group = shard_group  # None: a group of one rank (no_shard): nothing to scatter
+        self.replicate_group = replicate_group  # None: no replica all-reduce
+        self.reduce_dtype = reduce_dtype
+        self.device = device
+        self.counter = counter
+        self.offload = offload  # reduced shards go to (pinned) host buffers; the host adds them into the shard grad
+        self.max_in_flight = max_in_flight  # memory bound: each pending reduction keeps ~1 unit gradient alive
+        # False: the collective NCCL runs (reduce_scatter_single) even on gloo, so CPU tests cover it.
+        self.gloo_ring = True
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # separate "thread" for reductions
+        self._in_flight: deque[_Pending] = deque()
+        self._host: list[tuple[FlatParam, torch.Tensor, torch.cuda.Event | None]] = []  # offload: D2H copies
+        self.unsharded: dict[FlatParam, torch.Tensor] = {}  # no-sync accumulation: 1D, fp32, numel P per flat
+        self.num_issued = 0  # reductions issued (tests: that the async path ran)
+        self.num_host_copies = 0  # offload: D2H copies issued into host buffers (tests: offload really copies)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    # -- per flat gradient -----------------------------------------------------------------------------------------
+    def reduce(self, flat: FlatParam, grad: torch.Tensor, *, sync: bool) -> None:
+        """Take ownership of `grad` (1D, compute dtype, numel P). `sync=False`: keep it unsharded on this rank
+        (+4·P bytes per flat until the synced micro-step, no traffic)."""
+        acc = self.unsharded.get(flat)
+        if not sync:
+            if acc is None:
+                self.unsharded[flat] = grad.float() if grad.dtype != torch.float32 else grad
+            else:
+                acc.add_(grad)
+            return
+        if acc is not None:
+            grad = self.unsharded.pop(flat).add_(grad)
+        self.make_room()  # before the cast and the issue: the bound holds at every peak
+        # Ours to overwrite: autograd's flat gradient (or the no-sync accumulator) is never seen by anyone else.
+        full = grad.to(self.reduce_dtype)  # no copy when already in reduce_dtype
+        del grad, acc
+        self.num_issued += 1
+        if self.stream is not None:  # the reduce stream may read `full` only after the compute stream wrote it
+            ready = torch.cuda.Event()
+            ready.record()
+            self.stream.wait_event(ready)
+        out = None
+        if self.shard_group is not None:  # allocated on the compute stream, like `full` (see the module docstring)
+            out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=full.device)  # 1D, P/W
+        with self._on_stream():
+            if out is not None:
+                work = reduce_scatter_into(out, full, self.shard_group, self.counter, full_is_scratch=True,
+                                           async_op=True, ring=self.gloo_ring)
+                item = _Pending(flat, full, out, work, self.replicate_group is not None)
+            else:  # no_shard: the whole gradient is this rank's "shard"; sum it across replicas
+                work = all_reduce_(full, self.replicate_group, self.counter, async_op=True)
+                item = _Pending(flat, None, full, work, False)
+        self._in_flight.append(item)
+
+    def make_room(self) -> None:
+        """Retire the oldest reductions until fewer than `max_in_flight` are pending. Called before a new one is
+        issued and (units whose parameters are all trainable) just before autograd concatenates the next flat
+        gradient, so the gradient cat, the backward's memory peak, never coexists with a full in-flight window."""
+        self._promote()
+        while len(self._in_flight) >= self.max_in_flight:
+            self._retire(self._in_flight.popleft())
+
+    def _promote(self) -> None:
+        """Hybrid: issue the replica all-reduce of every pending reduce-scatter. Sums the new contribution only (the
+        accumulated shard grad is already summed): no double count."""
+        for item in self._in_flight:
+            self._issue_all_reduce(item)
+
+    def _issue_all_reduce(self, item: _Pending) -> None:
+        if not item.all_reduce_left:
+            return
+        with self._on_stream():
+            if item.work is not None:
+                item.work.wait()  # CUDA: the reduce stream waits for the reduce-scatter, the CPU goes on; gloo: blocks
+            item.work = all_reduce_(item.out, self.replicate_group, self.counter, async_op=True)
+        item.all_reduce_left = False
+
+    def _retire(self, item: _Pending) -> None:
+        self._issue_all_reduce(item)
+        if not self.offload:
+            if item.work is not None:
+                item.work.wait()  # CUDA: the compute stream waits for the collective; then it adds the result
+            item.flat.accumulate_shard_grad(item.out)
+            return
+        with self._on_stream():
+            if item.work is not None:
+                item.work.wait()
+            # Non-blocking D2H into a pinned buffer; the host reads it only after `done` (in `wait`).
+            host = torch.empty(item.out.numel(), dtype=item.out.dtype, device="cpu",
+                               pin_memory=self.stream is not None)
+            host.copy_(item.out, non_blocking=True)
+            done = None
+            if self.stream is not None:
+                # Dropped below while the reduce stream may still use them: the allocator must wait for it.
+                for t in (item.full, item.out):
+                    if t is not None:
+                        t.record_stream(self.stream)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        self.num_host_copies += 1
+        self._host.append((item.flat, host, done))
+
+    # -- once per backward / step ------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """End of backward: retire every pending reduction (CUDA: stream waits only, no CPU sync)."""
+        self._promote()
+        while self._in_flight:
+            self._retire(self._in_flight.popleft())
+
+    def wait(self) -> None:
+        """Before the optimizer reads gradients (clipping, step, checkpoint): every reduced gradient is in its
+        shard. Offload: the CPU blocks on exactly the D2H copies' events, then adds on the host."""
+        self.drain()
+        for flat, host, done in self._host:
+            if done is not None:
+                done.synchronize()
+            flat.accumulate_shard_grad(host)
+        self._host.clear()
+
+    def abandon(self) -> None:
+        """A backward raised: wait for what was issued (the buffers must outlive the collectives, and every rank
+        issued the same ones), then drop it all, unsharded accumulators included: the step's gradients are lost."""
+        for item in self._in_flight:
+            if item.work is not None:
+                item.work.wait()
+        self._in_flight.clear()
+        for _, _, done in self._host:
+            if done is not None:
+                done.synchronize()
+        self._host.clear()
+        self.unsharded.clear()
+
+    def pending(self) -> int:
+        return len(self._in_flight) + len(self._host)
