@@ -161,11 +161,14 @@ def slurm(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
         typer.echo(summary, err=True)
 
 
-@app.command()
+PREPARE_HELP = (
+    "Tokenize data.path once into the Arrow cache that every rank memory-maps (data.cache_dir, default "
+    "<output_dir>/data_cache); print rows, tokens, truncation, packing efficiency and a length histogram.\n\n"
+    "A later `train` with the same data, tokenizer and data settings finds it and tokenizes nothing.")
+
+
+@app.command(help=PREPARE_HELP)
 def prepare(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> None:
-    """Tokenize data.path once into the Arrow cache that every rank memory-maps (data.cache_dir, default
-    <output_dir>/data_cache); print rows, tokens, truncation, packing efficiency and a length histogram.
-    A later `train` with the same data, tokenizer and data settings finds it and tokenizes nothing."""
     from shardtune.data.prepare import prepare_recipe
 
     prepare_recipe(recipe, overrides or [])

@@ -7,6 +7,7 @@ engine then shards the frozen base and keeps the adapters replicated (see engine
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, base_name: str | None = Non
     config = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                             target_modules=list(cfg.target_modules), task_type="CAUSAL_LM",
                             base_model_name_or_path=base_name)
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads `model.is_gradient_checkpointing`, which transformers 5 deprecates: noise in every LoRA run's
+        # output that the user can do nothing about (our engine does its own activation checkpointing)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
     assert peft_model.base_model.model is model  # injection is in place: the trainer keeps calling `model`
     return model
 

@@ -47,17 +47,20 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["recipes", "extra"], "extra"),
     (["recipes", "--all"], "--all"),
 ]
-# `shardtune prepare` (issue 14, being added): put its usage-error rows here, e.g. (["prepare"], "recipe").
-PREPARE_USAGE_ERRORS: list[tuple[list[str], str]] = []
+PREPARE_USAGE_ERRORS: list[tuple[list[str], str]] = [
+    (["prepare"], "recipe"),
+    (["prepare", "tiny-cpu", "--force"], "--force"),
+]
 
 # Errors in the recipe, not the command line: one line on stderr naming the key or file, exit 2.
 RECIPE_ERRORS: list[tuple[list[str], str]] = [
     (["validate", "tiny-cpu", "train.lrr=1e-4"], "train.lrr"),
     (["slurm", "no-such-recipe", "--nodes", "1"], "no-such-recipe"),
     (["train", "tiny-cpu", "engine.strategy=everything"], "engine.strategy"),
+    (["prepare", "tiny-cpu", "data.path=no-such-file.jsonl"], "no-such-file.jsonl"),
 ]
 
-COMMANDS = ["train", "validate", "plan", "slurm", "export", "recipes"]  # add "prepare" with its rows above
+COMMANDS = ["train", "validate", "plan", "slurm", "export", "recipes", "prepare"]
 HELP = [[], ["--help"], *([c, "--help"] for c in COMMANDS)]
 
 ALL = USAGE_ERRORS + PREPARE_USAGE_ERRORS + RECIPE_ERRORS

@@ -120,6 +120,9 @@ class QuantizedFlat:
     def gather_input(self) -> torch.Tensor:
         return self.shard.to(self.device, non_blocking=True)  # offload: H2D of the bytes; else no copy
 
+    def wait_host_reads(self) -> None:
+        """Nothing to wait for: the frozen base's host shard is only read (no optimizer writes it)."""
+
     def bind_views(self, *, requires_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Point each Linear's weight at an NF4Tensor over the gathered bytes. The base never takes a gradient."""
         from shardtune.engine import nf4

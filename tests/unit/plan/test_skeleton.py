@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardtune.bundled import CONFIGS_DIR
 from shardtune.config.load import load_recipe
 from shardtune.plan import skeleton
 from shardtune.plan.stats import Dims, ModelStats
 
-MODELS = sorted((Path(skeleton.__file__).resolve().parent.parent / "configs" / "models").glob("*.json"))
+MODELS = sorted((CONFIGS_DIR / "models").glob("*.json"))
 
 
 def _tree(model: torch.nn.Module) -> tuple:
