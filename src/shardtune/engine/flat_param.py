@@ -95,12 +95,7 @@ class FlatParam:
 
     def pieces(self, shard_rank: int | None = None) -> Iterator[tuple[int, int, int, int]]:
         """(slot index, start in the parameter, start in the shard, length) of each piece a shard rank holds."""
-        r = self.shard_rank if shard_rank is None else shard_rank
-        lo, hi = r * self.shard_numel, (r + 1) * self.shard_numel
-        for i, s in enumerate(self.slots):
-            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-            if a < b:
-                yield i, a - s.offset, a - lo, b - a
+        return slot_pieces(self.slots, self.shard_rank if shard_rank is None else shard_rank, self.shard_numel)
 
     # -- unsharded buffer ------------------------------------------------------------------------------------------
     def is_full_allocated(self) -> bool:
@@ -184,3 +179,13 @@ class FlatParam:
         """Bytes of this rank's model states held here: the shard plus its gradient when live."""
         g = self.shard_grad()
         return self.shard.nbytes + (g.nbytes if g is not None else 0)
+
+
+def slot_pieces(slots: list, shard_rank: int, shard_numel: int) -> Iterator[tuple[int, int, int, int]]:
+    """(slot index, start in the slot, start in the shard, length) of each range of a flat buffer laid out as
+    `slots` (each with .offset, .numel) that shard `shard_rank` of `shard_numel` elements holds."""
+    lo, hi = shard_rank * shard_numel, (shard_rank + 1) * shard_numel
+    for i, s in enumerate(slots):
+        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if a < b:
+            yield i, a - s.offset, a - lo, b - a

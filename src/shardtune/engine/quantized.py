@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardtune import memory
+from shardtune.engine.flat_param import slot_pieces
 from shardtune.engine.layout import Entry, padded
 from shardtune.engine.nf4_layout import BLOCK_BYTES, Nf4Layout
 
@@ -75,12 +76,7 @@ class QuantizedFlat:
 
     def pieces(self, shard_rank: int | None = None) -> Iterator[tuple[int, int, int, int]]:
         """(slot index, start in the weight's region, start in the shard, length) of each byte range a rank holds."""
-        r = self.shard_rank if shard_rank is None else shard_rank
-        lo, hi = r * self.shard_numel, (r + 1) * self.shard_numel
-        for i, s in enumerate(self.slots):
-            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-            if a < b:
-                yield i, a - s.offset, a - lo, b - a
+        return slot_pieces(self.slots, self.shard_rank if shard_rank is None else shard_rank, self.shard_numel)
 
     def fill(self, reader: Callable[[str], Reader], *, only: set[str] | None = None) -> None:
         """Quantize every weight with bytes in this rank's shard and keep those bytes (written straight into the
