@@ -8,23 +8,12 @@ from __future__ import annotations
 
 import re
 from importlib import metadata
-from pathlib import Path
 
-PINS = Path(__file__).resolve().parents[2] / "requirements" / "constraints.txt"
+from packaging.utils import canonicalize_name as _canonical
 
+from tests.pins import REQUIREMENTS, read_pins
 
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _pins() -> dict[str, str]:
-    pins = {}
-    for line in PINS.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, version = line.split("==")
-            pins[_canonical(name)] = version
-    return pins
+PINS = REQUIREMENTS / "constraints.txt"
 
 
 def _direct_dependencies() -> set[str]:
@@ -33,7 +22,7 @@ def _direct_dependencies() -> set[str]:
 
 
 def test_venv_has_the_pinned_versions():
-    pins = _pins()
+    pins = read_pins(PINS)
     assert len(pins) > 20, "constraints.txt looks truncated"
     direct = _direct_dependencies()
     wrong, missing = [], []

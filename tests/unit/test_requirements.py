@@ -1,20 +1,18 @@
 """pyproject's ranges, the lower bounds `make test-oldest` installs and the pins `make install` uses agree."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name as _canonical
 from packaging.version import Version
+
+from tests.pins import read_pins
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _requirements() -> dict[str, Requirement]:
@@ -23,18 +21,9 @@ def _requirements() -> dict[str, Requirement]:
     return {_canonical(r.name): r for r in map(Requirement, reqs)}
 
 
-def _pins(path: Path) -> dict[str, str]:
-    pins = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, version = line.split("==")
-            pins[_canonical(name)] = version
-    return pins
-
 
 def test_lowest_pins_are_pyproject_lower_bounds():
-    lowest = _pins(REPO / "requirements" / "lowest.txt")
+    lowest = read_pins(REPO / "requirements" / "lowest.txt")
     for name, req in _requirements().items():
         lower = [s.version for s in req.specifier if s.operator == ">="]
         assert lower, f"{name} has no lower bound in pyproject.toml"
@@ -45,7 +34,7 @@ def test_lowest_pins_are_pyproject_lower_bounds():
 
 
 def test_pins_satisfy_pyproject_ranges():
-    pins = _pins(REPO / "requirements" / "constraints.txt")
+    pins = read_pins(REPO / "requirements" / "constraints.txt")
     for name, req in _requirements().items():
         assert name in pins, f"{name} is not pinned in requirements/constraints.txt: run `make upgrade-deps`"
         assert Version(pins[name]) in req.specifier, f"{name}=={pins[name]} is outside pyproject's {req}"
