@@ -240,3 +240,38 @@ def test_prepare_cli_prints_stats_and_bad_data_exits_2(tmp_path):
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert bad_proc.returncode == 2 and "Traceback" not in err, err[-2000:]
     assert len(errors) == 1 and "column" in errors[0] and "data.path" in errors[0]
+
+
+def test_builtin_tasks_build_without_datasets_and_equal_the_datasets_path(tmp_path):
+    """Builtin tasks are tokenized in-process with pyarrow (the demo's first run skips `import datasets`); the
+    entry holds the same rows, stats and held-out raw rows as the `datasets.map` path used for files."""
+    cfg = DataConfig(path="builtin:sort", format="instruction", seq_len=40, num_samples=300, eval_fraction=0.1)
+    script = textwrap.dedent(f"""
+        import sys
+        from shardtune.config.schema import DataConfig
+        from shardtune.data import build_data
+        from shardtune.data.char_tokenizer import build_char_tokenizer
+        data = build_data(DataConfig(path="builtin:sort", format="instruction", seq_len=40, num_samples=300,
+                                     eval_fraction=0.1, cache_dir={str(tmp_path / 'sub')!r}), build_char_tokenizer(), seed=0)
+        assert data.built and len(data.train) > 0
+        print("datasets" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+    import datasets
+
+    entries = []
+    for i, raw in enumerate((pipeline.load_raw(cfg, 0), None)):
+        raw = raw if raw is not None else datasets.Dataset(pipeline.load_raw(cfg, 0))
+        tmp = tmp_path / f"tmp{i}"
+        tmp.mkdir()
+        manifest = build_mod.build_entry(raw, cfg, TOK, tmp, seed=0)
+        entries.append((manifest["stats"], pipeline.open_entry(pipeline.cache.commit(tmp, tmp_path / f"e{i}", manifest))))
+    (stats_a, a), (stats_b, b) = entries
+    assert stats_a == stats_b and a.eval_raw == b.eval_raw
+    for split in ("train", "eval"):
+        rows_a, rows_b = getattr(a, split), getattr(b, split)
+        for x, y in zip(rows_a.take(np.arange(len(rows_a))), rows_b.take(np.arange(len(rows_b)))):
+            assert np.array_equal(x, y)

@@ -1,7 +1,8 @@
 """Raw rows -> one cache entry: tokenized documents (Arrow) + the packing layout (numpy), written into a temp dir.
 
 Steps: load the rows with `datasets` (Arrow on disk, never a Python list), fix the held-out split from the seed,
-tokenize every row once with `map(batched=True, num_proc=N)` (fast tokenizer, one call per 1,000 rows), then lay
+tokenize every row once with `map(batched=True, num_proc=N)` (fast tokenizer, one call per 1,000 rows; builtin
+tasks, a few thousand rows in memory, the same batches in-process with pyarrow alone), then lay
 the documents of each split out into rows of `seq_len` (`layout_rows`). Tokens are stored as uint16 when the
 vocabulary fits, else int32 (a quarter / half of int64); the loss mask as Arrow booleans (1 bit per token).
 Labels, position ids and padding are rebuilt per batch (rows.py), so nothing of size rows x seq_len exists.
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
@@ -27,6 +29,7 @@ from shardtune.errors import UserError
 
 EVAL_RAW_KEEP = 1024  # raw held-out rows kept for the demo's exact-match check (train.demo_eval_samples <= this)
 PIECE_ROWS = 100_000  # rows per map() call: the progress bar moves once per piece
+BATCH_ROWS = 1000  # rows per tokenizer call
 PARALLEL_MIN_ROWS = 20_000  # below this a process pool costs more than it saves
 HIST_EDGES = (0.125, 0.25, 0.5, 1.0)  # document length histogram bins, as fractions of seq_len
 
@@ -37,9 +40,8 @@ def token_dtype(tok: PreTrainedTokenizerBase) -> str:
 
 def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Path, *, seed: int,
                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Tokenize `raw` (a `datasets.Dataset`) into `tmp`; returns the manifest (stats and file names)."""
-    import datasets
-
+    """Tokenize `raw` (a `datasets.Dataset`, or a `pyarrow.Table` for builtin tasks) into `tmp`; returns the
+    manifest (stats and file names)."""
     n = len(raw)
     if n == 0:
         raise UserError(f"data.path: '{cfg.path}' holds no rows: point it at a non-empty dataset")
@@ -50,27 +52,10 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     eval_ids, train_ids = np.array(order[:num_eval], dtype=np.int64), np.array(order[num_eval:], dtype=np.int64)
 
     dtype = token_dtype(tok)
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value(dtype)),
-                                  "target": datasets.Sequence(datasets.Value("bool")),
-                                  "length": datasets.Value("int32"), "num_targets": datasets.Value("int32")})
-    num_proc = cfg.num_proc or min(os.cpu_count() or 1, 8)
-    files: list[str] = []
-    pieces = []
-    for start in range(0, n, PIECE_ROWS):
-        piece = raw.select(range(start, min(n, start + PIECE_ROWS)))  # contiguous: a slice, no index mapping
-        # num_proc=None, not 1: datasets 5 starts a one-process pool for num_proc=1 (a fork per piece)
-        procs = num_proc if len(piece) >= PARALLEL_MIN_ROWS and num_proc > 1 else None
-        out = piece.map(_encode_for_cache, batched=True, batch_size=1000, num_proc=procs,
-                        fn_kwargs={"cfg": cfg, "tok": tok, "dtype": dtype}, remove_columns=raw.column_names, features=features,
-                        cache_file_name=str(tmp / f"docs-{start // PIECE_ROWS:05d}.arrow"),
-                        new_fingerprint=hashlib.sha1(f"{tmp.name}-{start}".encode()).hexdigest(), load_from_cache_file=False)
-        files += [Path(f["filename"]).name for f in out.cache_files]
-        pieces.append(out)
-        if progress is not None:
-            progress(min(n, start + PIECE_ROWS), n)
-    docs = datasets.concatenate_datasets(pieces)
-    length = np.asarray(docs.data.column("length").to_numpy(), dtype=np.int64)  # before truncation
-    targets = np.asarray(docs.data.column("num_targets").to_numpy(), dtype=np.int64)
+    encode = _encode_table if isinstance(raw, pa.Table) else _encode_dataset
+    files, docs = encode(raw, cfg, tok, dtype, tmp, progress)
+    length = np.asarray(docs.column("length").to_numpy(), dtype=np.int64)  # before truncation
+    targets = np.asarray(docs.column("num_targets").to_numpy(), dtype=np.int64)
     kept = np.minimum(length, cfg.seq_len)
 
     stats: dict[str, Any] = {}
@@ -90,14 +75,58 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
                         f"data.seq_len={cfg.seq_len}?): raise data.seq_len or shorten the prompts")
     edges = [0] + [int(f * cfg.seq_len) for f in HIST_EDGES] + [max(int(length.max()), cfg.seq_len) + 1]
     hist, _ = np.histogram(length[length > 0], bins=edges)
+    keep = eval_ids[:EVAL_RAW_KEEP].tolist()
     with open(tmp / "eval_raw.jsonl", "w") as f:
-        for row in raw.select(eval_ids[:EVAL_RAW_KEEP].tolist()).to_list():
+        for row in (raw.take(keep).to_pylist() if isinstance(raw, pa.Table) else raw.select(keep).to_list()):
             f.write(json.dumps(row, default=str) + "\n")
-    del docs, pieces  # release the Arrow maps before the temp dir is renamed
+    del docs  # release the Arrow maps before the temp dir is renamed
     shutil.rmtree(tmp / "raw", ignore_errors=True)  # datasets' own Arrow copy of the input files
     return {"files": files, "token_dtype": dtype, "seq_len": cfg.seq_len, "packing": cfg.packing,
             "pad_id": tok.pad_token_id if tok.pad_token_id is not None else 0, "source_rows": n,
             "num_eval_raw": int(num_eval), "stats": stats, "histogram": {"edges": edges, "counts": hist.tolist()}}
+
+
+def _encode_dataset(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
+                    progress: Callable[[int, int], None] | None) -> tuple[list[str], pa.Table]:
+    """Files of any size: `datasets.map`, in pieces of PIECE_ROWS rows, over a process pool when large enough.
+    Each piece's output is an Arrow IPC stream file in `tmp` (what rows.py maps)."""
+    import datasets
+
+    n = len(raw)
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value(dtype)),
+                                  "target": datasets.Sequence(datasets.Value("bool")),
+                                  "length": datasets.Value("int32"), "num_targets": datasets.Value("int32")})
+    num_proc = cfg.num_proc or min(os.cpu_count() or 1, 8)
+    files: list[str] = []
+    pieces = []
+    for start in range(0, n, PIECE_ROWS):
+        piece = raw.select(range(start, min(n, start + PIECE_ROWS)))  # contiguous: a slice, no index mapping
+        # num_proc=None, not 1: datasets 5 starts a one-process pool for num_proc=1 (a fork per piece)
+        procs = num_proc if len(piece) >= PARALLEL_MIN_ROWS and num_proc > 1 else None
+        out = piece.map(_encode_for_cache, batched=True, batch_size=BATCH_ROWS, num_proc=procs,
+                        fn_kwargs={"cfg": cfg, "tok": tok, "dtype": dtype}, remove_columns=raw.column_names, features=features,
+                        cache_file_name=str(tmp / f"docs-{start // PIECE_ROWS:05d}.arrow"),
+                        new_fingerprint=hashlib.sha1(f"{tmp.name}-{start}".encode()).hexdigest(), load_from_cache_file=False)
+        files += [Path(f["filename"]).name for f in out.cache_files]
+        pieces.append(out)
+        if progress is not None:
+            progress(min(n, start + PIECE_ROWS), n)
+    return files, datasets.concatenate_datasets(pieces).data.table
+
+
+def _encode_table(raw: pa.Table, cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
+                  progress: Callable[[int, int], None] | None) -> tuple[list[str], pa.Table]:
+    """An in-memory table (builtin tasks: thousands of rows): the same batches as `_encode_dataset`, in this
+    process, written with pyarrow into one IPC stream file of the same schema, without importing `datasets`."""
+    name = "docs-00000.arrow"
+    tables = [_encode_for_cache(raw.slice(start, BATCH_ROWS).to_pydict(), cfg=cfg, tok=tok, dtype=dtype)
+              for start in range(0, len(raw), BATCH_ROWS)]
+    docs = pa.concat_tables(tables)
+    with pa.OSFile(str(tmp / name), "wb") as sink, pa.ipc.new_stream(sink, docs.schema) as writer:
+        writer.write_table(docs)
+    if progress is not None:
+        progress(len(raw), len(raw))
+    return [name], docs
 
 
 def layout_rows(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:
@@ -127,8 +156,6 @@ def _encode_for_cache(batch: dict[str, list[Any]], *, cfg: DataConfig, tok: PreT
     than the tokenizer). Labels are the ids or IGNORE, so a boolean `target` stores them; the first token of a
     document is never a target (no prediction across a packing boundary). Documents are cut to seq_len here."""
     import itertools
-
-    import pyarrow as pa
 
     docs = encode_batch(batch, cfg, tok)
     length = np.fromiter((len(ids) for ids, _ in docs), dtype=np.int64, count=len(docs))
