@@ -3,7 +3,8 @@
     .venv/bin/python bench/qlora.py            # three short runs through the real CLI, ~5 min on 2 busy cores
 
 Each run: `shardtune train tiny-qlora-cpu` with train.profile_memory=true (the CPU tracker slows every run alike),
-6 steps. Reports the median step time over steps 2..6, the max peak_mem_bytes, and comm_bytes per step (ours: the
+6 steps, in the configuration of the published table (bench/RESULTS.md): bf16 compute, activation checkpointing,
+r=8 (the 70B QLoRA recipes' path; the recipe itself ships fp32 compute and r=32 so that it learns quickly on CPU). Reports the median step time over steps 2..6, the max peak_mem_bytes, and comm_bytes per step (ours: the
 all-gathers of the base + one adapter all-reduce; FSDP2 exposes no counter). Ratios are against the QLoRA run.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 
 SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
 COMMON = ["data.num_samples=300", "train.max_steps=6", "train.demo_eval=false", "train.eval_every=0",
-          "train.save_every=0", "train.save_final=false", "train.warmup_steps=0", "train.profile_memory=true"]
+          "train.save_every=0", "train.save_final=false", "train.warmup_steps=0", "train.profile_memory=true",
+          "engine.mixed_precision=bf16", "engine.activation_checkpointing=true", "lora.r=8", "lora.alpha=16"]
 RUNS = {"qlora (nf4 base, ours)": [], "lora (bf16 base, ours)": ["lora.quantize_base=null"],
         "qlora (nf4 base, FSDP2)": ["engine.backend=torch"]}
 

@@ -54,3 +54,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run_dir)}
+
+
+def summary(run_dir: Path) -> dict:
+    """summary.json: final_loss, and accuracy_before/accuracy_after (fractions) when train.demo_eval is on."""
+    return json.loads((run_dir / "summary.json").read_text())
