@@ -243,8 +243,8 @@ def test_prepare_cli_prints_stats_and_bad_data_exits_2(tmp_path):
 
 
 def test_builtin_tasks_build_without_datasets_and_equal_the_datasets_path(tmp_path):
-    """Builtin tasks are tokenized in-process with pyarrow (the demo's first run skips `import datasets`); the
-    entry holds the same rows, stats and held-out raw rows as the `datasets.map` path used for files."""
+    """Builtin tasks are tokenized in-process with pyarrow (the demo's first run imports neither `datasets` nor
+    pandas, not even for its first batch); the entry holds the same rows, stats and held-out raw rows as the `datasets.map` path used for files."""
     cfg = DataConfig(path="builtin:sort", format="instruction", seq_len=40, num_samples=300, eval_fraction=0.1)
     script = textwrap.dedent(f"""
         import sys
@@ -254,17 +254,18 @@ def test_builtin_tasks_build_without_datasets_and_equal_the_datasets_path(tmp_pa
         data = build_data(DataConfig(path="builtin:sort", format="instruction", seq_len=40, num_samples=300,
                                      eval_fraction=0.1, cache_dir={str(tmp_path / 'sub')!r}), build_char_tokenizer(), seed=0)
         assert data.built and len(data.train) > 0
-        print("datasets" in sys.modules)
+        data.train.take([0, 1])
+        print("datasets" in sys.modules, "pandas" in sys.modules)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "False"
+    assert proc.stdout.strip() == "False False"
 
     import datasets
 
     entries = []
     for i, raw in enumerate((pipeline.load_raw(cfg, 0), None)):
-        raw = raw if raw is not None else datasets.Dataset(pipeline.load_raw(cfg, 0))
+        raw = raw if raw is not None else datasets.Dataset.from_list(pipeline.load_raw(cfg, 0))
         tmp = tmp_path / f"tmp{i}"
         tmp.mkdir()
         manifest = build_mod.build_entry(raw, cfg, TOK, tmp, seed=0)

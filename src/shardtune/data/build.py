@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
 from shardtune.data.formats import IGNORE, encode_batch
+from shardtune.data.rows import buffer_view
 from shardtune.errors import UserError
 
 EVAL_RAW_KEEP = 1024  # raw held-out rows kept for the demo's exact-match check (train.demo_eval_samples <= this)
@@ -40,22 +41,23 @@ def token_dtype(tok: PreTrainedTokenizerBase) -> str:
 
 def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Path, *, seed: int,
                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Tokenize `raw` (a `datasets.Dataset`, or a `pyarrow.Table` for builtin tasks) into `tmp`; returns the
+    """Tokenize `raw` (a `datasets.Dataset`, or for builtin tasks a list of row dicts) into `tmp`; returns the
     manifest (stats and file names)."""
     n = len(raw)
     if n == 0:
         raise UserError(f"data.path: '{cfg.path}' holds no rows: point it at a non-empty dataset")
-    _check_columns(raw.column_names, cfg)
+    in_memory = isinstance(raw, list)
+    _check_columns(list(raw[0]) if in_memory else raw.column_names, cfg)
     order = list(range(n))
     random.Random(seed).shuffle(order)  # the held-out split is fixed by the seed, not by file order
     num_eval = int(n * cfg.eval_fraction)
     eval_ids, train_ids = np.array(order[:num_eval], dtype=np.int64), np.array(order[num_eval:], dtype=np.int64)
 
     dtype = token_dtype(tok)
-    encode = _encode_table if isinstance(raw, pa.Table) else _encode_dataset
+    encode = _encode_rows if in_memory else _encode_dataset
     files, docs = encode(raw, cfg, tok, dtype, tmp, progress)
-    length = np.asarray(docs.column("length").to_numpy(), dtype=np.int64)  # before truncation
-    targets = np.asarray(docs.column("num_targets").to_numpy(), dtype=np.int64)
+    length = _int_column(docs, "length")  # before truncation
+    targets = _int_column(docs, "num_targets")
     kept = np.minimum(length, cfg.seq_len)
 
     stats: dict[str, Any] = {}
@@ -77,7 +79,7 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     hist, _ = np.histogram(length[length > 0], bins=edges)
     keep = eval_ids[:EVAL_RAW_KEEP].tolist()
     with open(tmp / "eval_raw.jsonl", "w") as f:
-        for row in (raw.take(keep).to_pylist() if isinstance(raw, pa.Table) else raw.select(keep).to_list()):
+        for row in ([raw[i] for i in keep] if in_memory else raw.select(keep).to_list()):
             f.write(json.dumps(row, default=str) + "\n")
     del docs  # release the Arrow maps before the temp dir is renamed
     shutil.rmtree(tmp / "raw", ignore_errors=True)  # datasets' own Arrow copy of the input files
@@ -114,13 +116,13 @@ def _encode_dataset(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, dty
     return files, datasets.concatenate_datasets(pieces).data.table
 
 
-def _encode_table(raw: pa.Table, cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
-                  progress: Callable[[int, int], None] | None) -> tuple[list[str], pa.Table]:
-    """An in-memory table (builtin tasks: thousands of rows): the same batches as `_encode_dataset`, in this
-    process, written with pyarrow into one IPC stream file of the same schema, without importing `datasets`."""
+def _encode_rows(raw: list[dict[str, Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
+                 progress: Callable[[int, int], None] | None) -> tuple[list[str], pa.Table]:
+    """Rows in memory (builtin tasks: thousands): the same batches as `_encode_dataset`, in this process, written
+    with pyarrow into one IPC stream file of the same schema, importing neither `datasets` nor pandas."""
     name = "docs-00000.arrow"
-    tables = [_encode_for_cache(raw.slice(start, BATCH_ROWS).to_pydict(), cfg=cfg, tok=tok, dtype=dtype)
-              for start in range(0, len(raw), BATCH_ROWS)]
+    tables = [_encode_for_cache({k: [r[k] for r in raw[start : start + BATCH_ROWS]] for k in raw[0]}, cfg=cfg,
+                                tok=tok, dtype=dtype) for start in range(0, len(raw), BATCH_ROWS)]
     docs = pa.concat_tables(tables)
     with pa.OSFile(str(tmp / name), "wb") as sink, pa.ipc.new_stream(sink, docs.schema) as writer:
         writer.write_table(docs)
@@ -171,10 +173,26 @@ def _encode_for_cache(batch: dict[str, list[Any]], *, cfg: DataConfig, tok: PreT
     cum = np.concatenate([[0], np.cumsum(target)])
     num_targets = cum[offsets[1:]] - cum[offsets[:-1]]
     assert total < 2**31, "a 1,000-row batch cut to seq_len fits int32 offsets"
-    off = pa.array(offsets.astype(np.int32))
-    return pa.table({"input_ids": pa.ListArray.from_arrays(off, pa.array(flat_ids)),
-                     "target": pa.ListArray.from_arrays(off, pa.array(target)),
-                     "length": pa.array(length.astype(np.int32)), "num_targets": pa.array(num_targets.astype(np.int32))})
+    off = _arrow(offsets.astype(np.int32))
+    return pa.table({"input_ids": pa.ListArray.from_arrays(off, _arrow(flat_ids)),
+                     "target": pa.ListArray.from_arrays(off, _arrow(target)),
+                     "length": _arrow(length.astype(np.int32)), "num_targets": _arrow(num_targets.astype(np.int32))})
+
+
+# numpy <-> Arrow through the buffers: `pa.array(ndarray)` and `Array.to_numpy()` import pandas (~0.2 s), which a
+# builtin-task build and the training ranks otherwise never need.
+_ARROW_TYPES = {np.dtype(np.uint16): pa.uint16(), np.dtype(np.int32): pa.int32(), np.dtype(np.bool_): pa.bool_()}
+
+
+def _arrow(x: np.ndarray) -> pa.Array:
+    """A 1D numpy array as an Arrow array without nulls (booleans bit-packed, LSB first, as Arrow stores them)."""
+    data = np.packbits(x, bitorder="little") if x.dtype == np.bool_ else np.ascontiguousarray(x)
+    return pa.Array.from_buffers(_ARROW_TYPES[x.dtype], len(x), [None, pa.py_buffer(data)])
+
+
+def _int_column(table: pa.Table, name: str) -> np.ndarray:
+    chunks = [buffer_view(c, np.int32) for c in table.column(name).chunks]
+    return np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, dtype=np.int64)
 
 
 def _check_columns(columns: list[str], cfg: DataConfig) -> None:

@@ -72,19 +72,17 @@ def open_entry(entry: Path, *, built: bool = False) -> TokenizedData:
 
 
 def load_raw(cfg: DataConfig, seed: int, *, scratch: Path | None = None) -> Any:
-    """The rows as a `datasets.Dataset` (Arrow, memory-mapped), or for builtin tasks a `pyarrow.Table`. `scratch`
+    """The rows as a `datasets.Dataset` (Arrow, memory-mapped), or for builtin tasks a list of dicts. `scratch`
     holds datasets' Arrow copy of the input files, deleted with the build's temp dir (not piling up in ~/.cache)."""
     if cfg.path is None:
         raise UserError("data.path: not set: give a jsonl/json/parquet/txt file or folder, a saved dataset, "
                         "or builtin:reverse")
     if cfg.path.startswith("builtin:"):
-        # A few thousand generated rows: an in-memory Arrow table, tokenized in this process (build.py), so the
-        # demo's first run does not import `datasets` (+pandas, ~0.7 s of its time to first step).
-        import pyarrow as pa
-
+        # A few thousand generated rows: a list, tokenized in this process (build.py), so the demo's first run
+        # imports neither `datasets` nor pandas (~0.7 s of its time to first step).
         name = cfg.path.split(":", 1)[1]
         try:
-            return pa.Table.from_pylist(synthetic.generate(name, cfg.num_samples, seed))
+            return synthetic.generate(name, cfg.num_samples, seed)
         except KeyError:
             raise UserError(f"data.path: unknown builtin task '{name}': choose from "
                             f"{sorted(synthetic.TASKS)}") from None
