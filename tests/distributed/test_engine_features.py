@@ -148,14 +148,26 @@ def _in_flight(max_in_flight: int) -> None:
     reducer = sharded.ctx.reducer
     reducer.max_in_flight = max_in_flight
     seen: list[int] = []
-    for u in sharded.units[:-1]:  # a hook on each unit's output: fires as that unit's backward starts
-        u.module.register_forward_hook(_on_output_grad(lambda: seen.append(reducer.pending())))
+    prev_gathered: list[bool] = []  # at that moment, with a reduction in flight: is the previous unit gathered?
+    blocks = sharded.units[:-1]
+
+    def starting(i: int) -> None:
+        seen.append(reducer.pending())
+        if i and reducer.pending():
+            prev_gathered.append(blocks[i - 1].state is not ShardState.SHARDED)
+
+    for i, u in enumerate(blocks):  # a hook on each unit's output: fires as that unit's backward starts
+        u.module.register_forward_hook(_on_output_grad(lambda i=i: starting(i)))
     ids, labels = global_batch(0)
     world, rank = dist.get_world_size(), dist.get_rank()
     token_loss_sum(model, ids.chunk(world)[rank], labels.chunk(world)[rank]).backward()
     units = len(sharded.units) - 1
-    # Unit L-1 starts with nothing pending; unit i < L-1 while unit i+1's (and i+2's, ...) reduction is in flight.
-    assert seen == [min(k, max_in_flight) for k in range(units)], seen
+    # Unit L-1 starts with nothing pending; unit i < L-1 while unit i+1's (and i+2's, ...) reduction is in flight,
+    # except unit 0, the deepest point of the backward: everything is retired before it starts (engine/unit.py).
+    assert seen == [min(k, max_in_flight) for k in range(units - 1)] + [0], seen
+    # Never the next unit's gradient in flight and the previous unit gathered ahead at once: its gather is deferred
+    # to the middle of this unit's backward (one unit less at the backward's peak).
+    assert prev_gathered and not any(prev_gathered), prev_gathered
     assert reducer.pending() == 0 and reducer.num_issued == units + 1
 
 

@@ -10,10 +10,11 @@ Pipeline of one flat gradient (1D, compute dtype, numel P, handed over by the un
   retire  wait for the last collective, then add the output into the sharded gradient (device), or copy it
           non-blocking into a pinned host buffer and record an event (CPU offload; the host add happens in `wait`).
 At most `max_in_flight` reductions are issued and not retired: each keeps its gradient (P, reduce dtype) and its
-output (P/W) alive. With the default 1, the reduction of unit i overlaps the backward compute of unit i-1 up to
-its last parameter gradient and is retired before autograd concatenates unit i-1's flat gradient (`make_room`):
-inside a unit's backward it holds one unit's gradient more than a synchronous reduction would (plan/estimate.py
-counts it), at the gradient cats (the usual peak: the root's embeddings + head at the end) nothing more.
+output (P/W) alive. With the default 1, the reduction of unit i overlaps the first half of unit i-1's backward
+(by gradient elements) and is retired there; only then is unit i-2 gathered ahead (engine/unit.py: at most one unit
+beyond the current one alive, so the backward's peak is a synchronous reduction's). The two ends run without
+overlap: unit 1's reduction is retired before unit 0's backward, unit 0's right after it is issued (the deepest
+points of the backward: every sharded gradient exists, then the embedding gradient). plan/estimate.py models it.
 Every rank issues, promotes and retires at the same program points (never on `is_completed()`, which differs per
 rank), so the collectives of each group run in the same order everywhere.
 
@@ -104,6 +105,11 @@ class GradReducer:
                 item = _Pending(flat, None, full, work, False)
         self._in_flight.append(item)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Collectives issued and not retired (`pending` also counts offload's host copies not yet added)."""
+        return len(self._in_flight)
+
     def make_room(self) -> None:
         """Retire the oldest reductions until fewer than `max_in_flight` are pending. Called before a new one is
         issued and (units whose parameters are all trainable) just before autograd concatenates the next flat
@@ -154,7 +160,8 @@ class GradReducer:
 
     # -- once per backward / step ------------------------------------------------------------------------------------
     def drain(self) -> None:
-        """End of backward: retire every pending reduction (CUDA: stream waits only, no CPU sync)."""
+        """Retire every pending reduction (CUDA: stream waits only, no CPU sync): at the end of backward, and around
+        the first unit's backward (engine/unit.py)."""
         self._promote()
         while self._in_flight:
             self._retire(self._in_flight.popleft())

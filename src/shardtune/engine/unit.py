@@ -86,6 +86,9 @@ class Unit:
         self._pre_backward_done = False
         self._inputs_grad_done = False  # the gradient of the unit's inputs has been computed (backward over)
         self._param_grads_left = 0  # parameter views whose gradient autograd has not produced yet
+        self._grad_numel_left = 0  # their elements: the deferred prefetch goes out once half are done
+        self._grad_numel = 0  # all of the unit's parameter-view elements (the "half" above)
+        self._deferred_prefetch: Unit | None = None  # the previous unit, gathered mid-backward (see _pre_backward)
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
 
@@ -141,6 +144,7 @@ class Unit:
         # Free early only when every parameter is trainable: a frozen weight may still be needed (LoRA base).
         early_free = grad and all(f.requires_grad for f in self.flats)
         self._param_grads_left = 0
+        self._grad_numel_left = 0
         for i, flat in enumerate(self.flats):
             src, views = flat.bind_views(requires_grad=grad and flat.requires_grad)
             if grad and flat.requires_grad:
@@ -149,8 +153,10 @@ class Unit:
                 self._pending_post_backward.add(i)
                 if early_free:
                     self._param_grads_left += len(views)
+                    self._grad_numel_left += sum(v.numel() for v in views)
                     for v in views:
                         v.register_hook(_weak_hook(self, Unit._on_param_grad))
+        self._grad_numel = self._grad_numel_left
         self._pre_backward_done = False
         self._inputs_grad_done = False
         nxt = ctx.units[self.index + 1] if self.index + 1 < len(ctx.units) else None
@@ -183,6 +189,7 @@ class Unit:
             self.reshard()
         self._pending_post_backward.clear()
         self._leaves.clear()
+        self._deferred_prefetch = None
 
     # -- backward hooks --------------------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
@@ -193,14 +200,37 @@ class Unit:
         self._pre_backward_done = True
         self.wait()
         prev = ctx.units[self.index - 1] if self.index >= 1 else None
-        if ctx.prefetch and prev is not None:
-            prev.unshard(async_op=True)
+        # Memory schedule of the backward (trainable units; frozen LoRA bases reduce nothing): at most one unit
+        # beyond the current one is alive, either the next unit's gradient whose reduction is in flight or the
+        # previous unit gathered ahead. Holding both would put the peak one unit above a synchronous reduction's.
+        if prev is None:
+            if self._param_grads_left:
+                # The first unit runs last, on top of every later unit's sharded gradient (the deepest point of
+                # the backward): nothing to gather ahead, and the reductions in flight are retired before it starts.
+                ctx.reducer.drain()
+            return
+        if not ctx.prefetch:
+            return
+        if self._param_grads_left and ctx.reducer.num_in_flight:
+            # Staggered: the reduction overlaps the first half of this unit's backward (by gradient elements: a
+            # decoder block's MLP), is retired, then the gather overlaps the second half (_on_param_grad). On one
+            # link the two would share the bandwidth anyway; the bytes moved are the same.
+            self._deferred_prefetch = prev
+            return
+        prev.unshard(async_op=True)
 
     def _on_param_grad(self, grad: torch.Tensor) -> None:
-        """Gradient of one parameter view computed. After the last one the unit's backward needs no parameter
-        any more: free the gathered buffer before autograd cats the flat gradient (peak -1 unit), and retire the
-        reduction in flight (peak unchanged by async reduction)."""
+        """Gradient of one parameter view computed. Half-way through the unit's gradient elements, the deferred
+        prefetch goes out (after retiring the reduction in flight). After the last one the unit's backward needs no
+        parameter any more: free the gathered buffer before autograd cats the flat gradient (peak -1 unit), and
+        retire the reduction in flight (peak unchanged by async reduction)."""
         self._param_grads_left -= 1
+        self._grad_numel_left -= grad.numel()
+        prev = self._deferred_prefetch
+        if prev is not None and (2 * self._grad_numel_left <= self._grad_numel or not self._param_grads_left):
+            self._deferred_prefetch = None
+            self.ctx.reducer.make_room()
+            prev.unshard(async_op=True)
         if self._param_grads_left == 0:
             self.reshard()
             # The flat gradient's cat comes next: retire the previous unit's reduction first (it overlapped this
@@ -222,6 +252,10 @@ class Unit:
             # embeddings + head for the last one).
             self.reshard()
         self.ctx.reducer.reduce(self.flats[i], grad, sync=self.ctx.step.requires_grad_sync)
+        if self.index == 0 and self._grad_numel:
+            # The first unit's reduction would overlap the root's embedding backward, whose gradient is the largest
+            # of the step: retired now instead (same reason as in _pre_backward).
+            self.ctx.reducer.drain()
 
     def reduce_missing_grads(self) -> None:
         """End of backward: no gradient reached these flats (unused parameters): reduce zeros so every rank runs the

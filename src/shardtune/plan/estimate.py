@@ -6,7 +6,7 @@ A step is walked as a few phases; each phase lists what is alive, by category, a
   loss-backward  same, but the CE tail is log_softmax output + its gradient + the gradient of its input (3 fp32
                  b·(s-1)·V tensors): usually the peak for large vocabularies
   unit-backward  inside a unit's MLP backward, the worst unit: root + that unit + the prefetched previous one
-                 gathered, the head's weight gradient (held until the root reduces), the activations of that unit
+                 gathered or the next one's gradient in reduction (not both), the head's weight gradient (held until the root reduces), the activations of that unit
                  and the earlier ones, the sharded grads of the later ones, the down-projection's weight grad and
                  two b·s·i activation grads. The last unit without checkpointing; with it, often the first
   unit-gradcat   end of it: its activations freed, its per-param grads + their flat concatenation (2·P); its
@@ -265,12 +265,16 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
 
     def unit_backward(i: int) -> dict[str, int]:
         own = saved[i] + (per_layer if ckpt[i] else 0)
+        # engine/unit.py's schedule: unit 1's reduction is retired before unit 0's backward; in any other unit's
+        # MLP backward (its first half) the next unit's reduction is in flight and the previous unit is gathered
+        # ahead only after it is retired (no reduction in flight: at once).
+        flight = in_flight(i + 1) if i else 0
         if s.strategy in ("shard_grad_op", "no_shard"):
             held = held_fwd
         else:
-            held = gathered(root) + unit_g[i] + (unit_g[i - 1] if i and s.prefetch else 0)
+            held = gathered(root) + unit_g[i] + (unit_g[i - 1] if i and s.prefetch and not flight else 0)
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
-                + in_flight(i + 1),
+                + flight,
                 "gathered": held + offload_copy + nf4_extra,
                 "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
                 + bsh + 2 * bsi}
