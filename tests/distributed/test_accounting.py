@@ -87,7 +87,8 @@ def _memory(model_name: str) -> None:
     shard_bytes = sum(pad(n, world) // world * 4 for n in numels)
     # Model-state bytes: the formula, the engine's own count, and what is actually alive all agree.
     assert sharded.model_state_bytes() == shard_bytes
-    assert snapshot_live_bytes() - (live0 - full_bytes) == shard_bytes
+    extra = snapshot_live_bytes() - (live0 - full_bytes) - shard_bytes
+    assert extra == 0, f"{extra} bytes alive beyond the shards after sharding"
 
     ids, labels = global_batch(0)
     ids, labels = ids.chunk(world)[rank], labels.chunk(world)[rank]

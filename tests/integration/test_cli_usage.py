@@ -131,17 +131,24 @@ def test_version_names_the_stack(results):
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see the child importing torch")
-def test_ctrl_c_is_one_line_and_exit_130():
-    # plan imports torch inside the command: once libtorch is mapped the child is past start-up and inside
-    # `cli.main()`, so the interrupt lands where a user's Ctrl-C during a command would.
-    proc = subprocess.Popen([str(EXE), "plan", "llama-3.1-70b-lora-4x24gb"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
-    maps = Path(f"/proc/{proc.pid}/maps")
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    # Interrupted in the middle of real work: `prepare` tokenizing 200k rows (~15 s), signalled once its cache build
+    # has visibly started (its temp folder exists). Interrupting `plan` raced it: plan now ends ~1 s after its
+    # imports, and a SIGINT that lands during interpreter exit is ignored (exit 0).
+    data = tmp_path / "big.jsonl"
+    row = '{"instruction": "reverse the letters of abcdefghij", "output": "jihgfedcba"}\n'
+    data.write_text(row * 200_000)
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([str(EXE), "prepare", "tiny-cpu", f"data.path={data}", f"data.cache_dir={cache}",
+                             f"train.output_dir={tmp_path / 'run'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 120
-    while proc.poll() is None and "libtorch" not in maps.read_text() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "plan finished before it could be interrupted"
+    while proc.poll() is None and not any(cache.glob(".tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, ("prepare finished before it could be interrupted", proc.communicate())
+    time.sleep(0.5)  # inside the tokenizing map, not at its first line
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err and err.strip().splitlines() == ["shardtune: interrupted (Ctrl-C)"], err
+    assert not [p for p in cache.iterdir() if not p.name.startswith(".")]  # no finished cache entry was left
