@@ -38,10 +38,12 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         from shardtune.plan.planner import quantized_summary
 
         q = quantized_summary(e)
+        base_dtype = "bf16" if s.compute.itemsize == 2 else "fp32"  # the frozen base's dtype without nf4
+        unquantized = f"{s.compute.itemsize * q['weights'] / GiB:.2f} GiB {base_dtype}"
         console.print(f"NF4 base (lora.quantize_base=nf4): {q['weights']:,} weights of the decoder blocks' "
                       f"{', '.join(q['modules'])} in {q['bytes'] / GiB:.2f} GiB of 4-bit codes + scales "
                       f"({q['per_rank_bytes'] / GiB:.2f} GiB/rank, padded to whole blocks) instead of "
-                      f"{2 * q['weights'] / GiB:.2f} GiB bf16; dequantized per matmul; {q['unquantized']} unquantized")
+                      f"{unquantized}; dequantized per matmul; {q['unquantized']} unquantized")
     table = Table(title=f"per-rank peak memory ({e.peak_phase})")
     table.add_column("category")
     table.add_column("GiB", justify="right")

@@ -125,3 +125,19 @@ def test_advice_items_fit_and_fit_search_ranks() -> None:
     assert found and all(c.plan.fits for c in found)
     times = [c.time["step_s"] for c in found]
     assert times == sorted(times)
+
+
+@pytest.mark.parametrize(("recipe", "base_dtype", "itemsize"),
+                         [("tiny-qlora-cpu", "fp32", 4), ("llama-3.1-70b-qlora-4x24gb", "bf16", 2)])
+def test_plan_report_names_what_nf4_quantizes_and_what_it_replaces(recipe: str, base_dtype: str, itemsize: int,
+                                                                    capsys: pytest.CaptureFixture,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one report line per line
+    code, out, err = run_cli(["plan", recipe], capsys)
+    assert code == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("NF4 base"))
+    weights = int(re.search(r"([\d,]+) weights", line).group(1).replace(",", ""))
+    replaced = float(re.search(r"instead of ([\d.]+) GiB (\w+)", line).group(1))
+    assert f"GiB {base_dtype};" in line  # the dtype the frozen base would have without nf4 (engine.mixed_precision)
+    assert replaced == pytest.approx(itemsize * weights / 2**30, abs=0.006)
+    assert "q_proj" in line and "down_proj" in line and "lm_head" in line.split("dequantized per matmul")[1]
