@@ -28,6 +28,13 @@ def storage_resized(tensor: torch.Tensor) -> None:
         t._update(_data_storage(tensor))
 
 
+def free_storage(tensor: torch.Tensor) -> None:
+    """Free `tensor`'s bytes now, whoever else still references it (autograd's saved views, a gloo work that its
+    worker thread drops only after `wait()` returned): the storage is resized to 0, the tensor object stays."""
+    tensor.untyped_storage().resize_(0)
+    storage_resized(tensor)
+
+
 def _data_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage that owns `t`'s bytes, or None for a wrapper subclass (DTensor): it reports its logical size
     but holds no data (its local tensor, seen separately, does)."""

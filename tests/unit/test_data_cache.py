@@ -244,7 +244,8 @@ def test_prepare_cli_prints_stats_and_bad_data_exits_2(tmp_path):
 
 def test_builtin_tasks_build_without_datasets_and_equal_the_datasets_path(tmp_path):
     """Builtin tasks are tokenized in-process with pyarrow (the demo's first run imports neither `datasets` nor
-    pandas, not even for its first batch); the entry holds the same rows, stats and held-out raw rows as the `datasets.map` path used for files."""
+    pandas, not even for its first batch); the entry holds the same rows, stats and held-out raw rows as the
+    `datasets.map` path used for files."""
     cfg = DataConfig(path="builtin:sort", format="instruction", seq_len=40, num_samples=300, eval_fraction=0.1)
     script = textwrap.dedent(f"""
         import sys
@@ -264,8 +265,8 @@ def test_builtin_tasks_build_without_datasets_and_equal_the_datasets_path(tmp_pa
     import datasets
 
     entries = []
-    for i, raw in enumerate((pipeline.load_raw(cfg, 0), None)):
-        raw = raw if raw is not None else datasets.Dataset.from_list(pipeline.load_raw(cfg, 0))
+    rows = pipeline.load_raw(cfg, 0)
+    for i, raw in enumerate((rows, datasets.Dataset.from_list(rows))):  # the in-process path, then datasets.map
         tmp = tmp_path / f"tmp{i}"
         tmp.mkdir()
         manifest = build_mod.build_entry(raw, cfg, TOK, tmp, seed=0)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.errors import UserError
-from shardtune.memory import storage_resized
+from shardtune.memory import free_storage
 
 _P = 2_147_483_647  # 2^31 - 1: residues < 2^31, so residue x weight < 2^62 fits int64; chunk sums stay < 2^63
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -77,11 +77,8 @@ def check_same_on_all_ranks(named: list[tuple[str, int]], device: torch.device) 
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local)  # not counted in the engine's comm bytes: start-up only
     table = torch.stack(gathered).cpu()  # world x entries
-    for t in (local, *gathered):
-        # gloo's worker thread drops its reference to the finished work (which holds these tensors) only some time
-        # after wait() returned: free their bytes now, so that memory counts taken right after start-up are exact.
-        t.untyped_storage().resize_(0)
-        storage_resized(t)
+    for t in (local, *gathered):  # freed now, not when gloo drops the finished work: exact counts after start-up
+        free_storage(t)
     differs = (table != table[0]).any(dim=0)
     if not bool(differs.any()):
         return

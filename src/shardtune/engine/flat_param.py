@@ -113,8 +113,7 @@ class FlatParam:
     def free_full(self) -> None:
         """Free the gathered storage but keep the tensor object: autograd's saved views of it stay valid handles."""
         if not self.aliased and self.is_full_allocated():
-            self.full.untyped_storage().resize_(0)
-            memory.storage_resized(self.full)
+            memory.free_storage(self.full)
 
     def gather_input(self) -> torch.Tensor:
         """What this rank sends in the all-gather: its shard on the compute device (offload: the H2D copy, a no-op

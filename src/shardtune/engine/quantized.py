@@ -110,8 +110,7 @@ class QuantizedFlat:
 
     def free_full(self) -> None:
         if self.is_full_allocated():
-            self.full.untyped_storage().resize_(0)
-            memory.storage_resized(self.full)
+            memory.free_storage(self.full)
 
     def gather_input(self) -> torch.Tensor:
         return self.shard.to(self.device, non_blocking=True)  # offload: H2D of the bytes; else no copy

@@ -25,7 +25,7 @@ from shardtune.engine.reduce import GradReducer
 from shardtune.engine.replicated import ReplicatedParams
 from shardtune.engine.unit import EngineContext, Unit, group_size
 from shardtune.errors import UserError
-from shardtune.memory import storage_resized
+from shardtune.memory import free_storage
 
 
 def build_groups(strategy: ShardingStrategy, hybrid_shard_size: int | None
@@ -132,10 +132,7 @@ class ShardtuneModel:
                 elif rank0:
                     for s in flat.slots:
                         yield s.name, full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
-                # Freed here, not by `del`: gloo's worker thread still references a finished gather's output for a
-                # while, and rank 0's bound (what it yielded plus one unit) must hold on every machine.
-                full.untyped_storage().resize_(0)
-                storage_resized(full)
+                free_storage(full)  # not `del`: a finished gloo work may still reference it (rank 0: yielded + 1 unit)
 
     # -- checkpoints (see state_dict.py): per-original-parameter keys, loadable at another world size ---------------
     def checkpoint_state(self, optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> dict[str, Any]:

@@ -6,9 +6,10 @@ A step is walked as a few phases; each phase lists what is alive, by category, a
   loss-backward  same, but the CE tail is log_softmax output + its gradient + the gradient of its input (3 fp32
                  b·(s-1)·V tensors): usually the peak for large vocabularies
   unit-backward  inside a unit's MLP backward, the worst unit: root + that unit + the prefetched previous one
-                 gathered or the next one's gradient in reduction (not both), the head's weight gradient (held until the root reduces), the activations of that unit
-                 and the earlier ones, the sharded grads of the later ones, the down-projection's weight grad and
-                 two b·s·i activation grads. The last unit without checkpointing; with it, often the first
+                 gathered or the next one's gradient in reduction (not both), the head's weight gradient (held
+                 until the root reduces), the activations of that unit and the earlier ones, the sharded grads of
+                 the later ones, the down-projection's weight grad and two b·s·i activation grads. The last unit
+                 without checkpointing; with it, often the first
   unit-gradcat   end of it: its activations freed, its per-param grads + their flat concatenation (2·P); its
                  gathered buffer is already freed (at the last parameter grad)
   unit-reduce    after the engine frees the unit: the flat grad, its cast to reduce_dtype, the P/W output

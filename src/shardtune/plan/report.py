@@ -28,9 +28,10 @@ def summary_line(plan: Plan) -> str:
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     e, s = plan.estimate, plan.setup
+    compute = "bf16" if s.compute.itemsize == 2 else "fp32"
     console.print(f"[bold]{plan.stats.num_params:,}[/] params ({e.trainable_params:,} trainable), "
                   f"{len(e.units)} units; world {s.world} ({s.nodes} node(s)), shard group {s.shard_size}, "
-                  f"{s.strategy}, {'bf16' if s.compute.itemsize == 2 else 'fp32'} compute, "
+                  f"{s.strategy}, {compute} compute, "
                   f"checkpointing={s.checkpointing}, offload={s.offload}, lora={s.lora}"
                   f"{' (nf4 base)' if s.nf4 and s.lora else ''}, "
                   f"micro-batch {s.micro_batch} x seq {s.seq_len}")
@@ -38,8 +39,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         from shardtune.plan.planner import quantized_summary
 
         q = quantized_summary(e)
-        base_dtype = "bf16" if s.compute.itemsize == 2 else "fp32"  # the frozen base's dtype without nf4
-        unquantized = f"{s.compute.itemsize * q['weights'] / GiB:.2f} GiB {base_dtype}"
+        unquantized = f"{s.compute.itemsize * q['weights'] / GiB:.2f} GiB {compute}"  # the base without nf4
         console.print(f"NF4 base (lora.quantize_base=nf4): {q['weights']:,} weights of the decoder blocks' "
                       f"{', '.join(q['modules'])} in {q['bytes'] / GiB:.2f} GiB of 4-bit codes + scales "
                       f"({q['per_rank_bytes'] / GiB:.2f} GiB/rank, padded to whole blocks) instead of "
