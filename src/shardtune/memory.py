@@ -163,7 +163,7 @@ class CudaMemoryTracker:
 
 def memory_tracker(device: torch.device) -> CpuMemoryTracker | CudaMemoryTracker:
     """The tracker for `device`; call `.start()` before the steps to measure and `.stop()` after."""
-    return CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
+    return CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()  # simulated: host bytes only
 
 
 def snapshot_live_bytes() -> int:

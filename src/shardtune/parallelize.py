@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardtune import accelerator
 from shardtune.config.schema import EngineConfig, Recipe, check_world
 from shardtune.engine.api import MixedPrecision, ShardedModel, ShardingPolicy, ShardingStrategy
 from shardtune.engine.checkpointing import apply_activation_checkpointing
@@ -63,7 +64,7 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
                     p.data = p.data.to(torch.bfloat16)
     policy = sharding_policy(engine, model, world_size, lora=recipe.lora.enabled,
                              quantize_base=recipe.lora.quantize_base if recipe.lora.enabled else None)
-    if engine.cpu_offload and device.type == "cpu":
+    if engine.cpu_offload and not accelerator.is_accelerator(device):
         warnings.warn("engine.cpu_offload=true saves no memory on a CPU run (params, grads and optimizer state are "
                       "already on the host); the offload path still runs", stacklevel=2)
     # 2. Activation checkpointing wraps whole units' forwards before sharding: the engine's hooks then sit outside

@@ -1,4 +1,4 @@
-"""Process-group set-up for one worker: device, backend (NCCL on GPUs, gloo on CPU), threads."""
+"""Process-group set-up for one worker: device, backend (NCCL on GPUs, gloo on CPU; accelerator.py), threads."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardtune import accelerator
 from shardtune.config.schema import LaunchConfig
 
 
@@ -25,25 +26,25 @@ class Runtime:
         return self.rank == 0
 
 
-def init_runtime(launch: LaunchConfig) -> Runtime:
-    """Called inside a torchrun/srun worker (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set)."""
+def init_runtime(launch: LaunchConfig, *, simulated: bool = False) -> Runtime:
+    """Called inside a torchrun/srun worker (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set). `simulated`: the
+    simulated GPU (accelerator.py) instead of launch.device; the process group may already be set up (tests)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device_type = launch.device_type()
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    if simulated:
+        device = accelerator.SIMULATED
     else:
-        device = torch.device("cpu")
-        if launch.threads_per_worker:
-            torch.set_num_threads(launch.threads_per_worker)
-    if not dist.is_initialized():
+        device = accelerator.compute_device(launch.device_type(), local_rank)
+    if device.type == "cpu" and launch.threads_per_worker:
+        torch.set_num_threads(launch.threads_per_worker)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
         if "MASTER_ADDR" not in os.environ:  # a plain `python -m shardtune.worker` run: one process
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=10), device_id=device if device_type == "cuda" else None)
+        accelerator.init_process_group(device, rank=rank, world_size=world, timeout=timedelta(minutes=10))
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
@@ -73,10 +74,10 @@ def start_local_ranks(entry: Callable[..., None], args: tuple, nprocs: int, *, p
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.tolist()
+    return accelerator.to_host(t).tolist()
 
 
 def all_reduce_max(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return accelerator.item(t)

@@ -25,4 +25,6 @@ class StopRequest:
         """Collective: True when any rank received a stop signal."""
         t = torch.tensor([1 if self.signum is not None else 0], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        from shardtune import accelerator
+
+        return bool(accelerator.item(t))

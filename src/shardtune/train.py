@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from shardtune import accelerator
 from shardtune import checkpoint as ckpt
 from shardtune.config import Recipe
 from shardtune.config.schema import TrainConfig
@@ -105,30 +106,34 @@ def train(recipe: Recipe) -> dict:
     return summary
 
 
-def setup(recipe: Recipe) -> Run:
-    rt = init_runtime(recipe.launch)
+def setup(recipe: Recipe, *, simulated: bool = False) -> Run:
+    """`simulated`: on the simulated GPU (accelerator.py), for tests/simulated and `plan --simulate`."""
+    rt = init_runtime(recipe.launch, simulated=simulated)
     cfg = recipe.train
     tok = build_tokenizer(recipe.model)
     data = prepare_for_ranks(recipe.data, tok, seed=cfg.seed, output_dir=cfg.output_dir, rank=rt.rank)
     model = build_model(recipe.model, seed=cfg.seed, device=rt.device, sharded_init=True)  # filled by parallelize
     shapes = param_shapes(model)
     sharded = parallelize(model, recipe, device=rt.device, world_size=rt.world_size)
-    host_states = rt.device.type == "cpu" or recipe.engine.cpu_offload
-    optimizer = build_optimizer(sharded, cfg, on_host=host_states)
+    optimizer = build_optimizer(sharded, cfg)
     scheduler = build_scheduler(cfg.schedule, optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps)
     batches = GlobalBatches(data.train, micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
                             world_size=rt.world_size, seed=cfg.seed)
     run_dir = Path(cfg.output_dir)
-    checkpoints = ckpt.CheckpointManager(run_dir, keep_last=cfg.keep_last, is_main=rt.is_main, rank=rt.rank)
+    checkpoints = ckpt.CheckpointManager(run_dir, keep_last=cfg.keep_last, is_main=rt.is_main, rank=rt.rank,
+                                         device=rt.device)
     return Run(recipe, rt, run_dir, tok, data, model, sharded, optimizer, scheduler, batches, checkpoints, shapes)
 
 
-def build_optimizer(sharded: ShardedModel, cfg: TrainConfig, *, on_host: bool) -> torch.optim.Optimizer:
-    """AdamW over this rank's shards. States on the host (a CPU run, or CPU offload) step with the fused CPU
-    kernel, one pass per tensor; on a GPU torch's default (foreach) is already the multi-tensor path. Both the
-    offloaded and the plain CPU run take the fused path, so offload changes no number."""
-    return torch.optim.AdamW(sharded.optimizer_param_groups(cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                             eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True if on_host else None)
+def build_optimizer(sharded: ShardedModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over this rank's shards. States on the host (a CPU run, or CPU offload of full fine-tuning) step with
+    the fused CPU kernel, one pass per tensor; states on a GPU (LoRA adapters, also under offload) take the
+    multi-tensor (foreach) path (accelerator.optimizer_flags). Both the offloaded and the plain CPU run take the
+    fused path, so offload changes no number."""
+    groups = sharded.optimizer_param_groups(cfg.weight_decay)
+    flags = accelerator.optimizer_flags([p for g in groups for p in g["params"]])
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             **flags)
 
 
 def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
@@ -146,8 +151,8 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
         # Divide by the global target count: the sum over ranks and micro-steps is the global mean loss.
         loss = token_loss_sum(run.model, mb.input_ids, mb.labels, mb.position_ids) / num_targets
         loss.backward()
-        loss_sum += loss.item()  # a sync point, once per micro-step
-    grad_norm = float(run.sharded.clip_grad_norm_(cfg.max_grad_norm))  # global: identical on every rank
+        loss_sum += accelerator.item(loss)  # a sync point, once per micro-step
+    grad_norm = accelerator.item(run.sharded.clip_grad_norm_(cfg.max_grad_norm))  # global: identical everywhere
     (loss_global,) = all_reduce_sum([loss_sum], rt.device)
     if math.isfinite(loss_global) and math.isfinite(grad_norm):  # every rank takes the same branch
         run.optimizer.step()
@@ -178,7 +183,8 @@ def resume(run: Run) -> int:
     if found is None:
         return 0
     state = run.sharded.checkpoint_state(run.optimizer, for_load=True)
-    step = ckpt.manager.load(found, state, run.scheduler, rank=run.rt.rank, world_size=run.rt.world_size)
+    step = ckpt.manager.load(found, state, run.scheduler, rank=run.rt.rank, world_size=run.rt.world_size,
+                             device=run.rt.device)
     run.sharded.load_checkpoint_state(state, run.optimizer)
     if run.rt.is_main:
         print(f"resumed from {found} at step {step}", flush=True)

@@ -9,6 +9,11 @@
 A save goes to the temp dir, every file is fsynced, then rank 0 renames it and updates `latest`: a crash at any
 moment leaves the previous complete checkpoint loadable. A failure on any rank (a full disk...) is agreed on by all
 ranks, the temp dir is removed, and training continues with a warning that the previous checkpoint is intact.
+
+Coordination is host work and runs on the host group (accelerator.host_group(): gloo, also on GPU runs): the
+agreement flag, the barriers and DCP's planning (pickled plans) are host objects. On an NCCL default group a host
+tensor is refused ("No backend type associated with device type cpu"), and an object collective would stage every
+plan through device memory and a device sync.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from shardtune import accelerator
 from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, is_complete
 
 
@@ -47,10 +53,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _agree_ok(ok: bool) -> bool:
-    """True only if every rank is ok (one all-reduce)."""
+    """True only if every rank is ok (one all-reduce of a host flag, on the host group)."""
     t = torch.tensor([0 if ok else 1])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=accelerator.host_group())
     return int(t) == 0
+
+
+def _barrier() -> None:
+    dist.barrier(group=accelerator.host_group())
 
 
 def find_resume_dir(output_dir: Path, resume: str, *, is_main: bool) -> Path | None:
@@ -74,8 +84,10 @@ def find_resume_dir(output_dir: Path, resume: str, *, is_main: bool) -> Path | N
 
 
 class CheckpointManager:
-    def __init__(self, output_dir: Path, *, keep_last: int, is_main: bool, rank: int) -> None:
+    def __init__(self, output_dir: Path, *, keep_last: int, is_main: bool, rank: int,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.root = output_dir / "checkpoints"
+        self.device = device  # the compute device: which DCP storage (accelerator.storage_writer)
         self.keep_last = keep_last
         self.is_main = is_main
         self.rank = rank
@@ -88,10 +100,11 @@ class CheckpointManager:
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
+        _barrier()
         ok, err = True, ""
         try:
-            dcp.save(state, checkpoint_id=str(tmp), storage_writer=storage_writer)
+            writer = storage_writer or accelerator.storage_writer(self.device, str(tmp))
+            dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer, process_group=accelerator.host_group())
             torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
             if self.is_main:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -106,7 +119,7 @@ class CheckpointManager:
                 prev = self.latest_name() or "none yet"
                 warnings.warn(f"checkpoint at step {step} failed ({err or 'on another rank'}); the previous "
                               f"checkpoint ({prev}) is intact", stacklevel=2)
-            dist.barrier()
+            _barrier()
             return None
         if self.is_main:
             _write_atomic(tmp / TRAINER_FILE, json.dumps({"step": step, **export_info}, indent=1))
@@ -115,7 +128,7 @@ class CheckpointManager:
             tmp.rename(final)
             _write_atomic(self.root / "latest", final.name)
             self._prune()
-        dist.barrier()
+        _barrier()
         return final
 
     def latest_name(self) -> str | None:
@@ -130,10 +143,12 @@ class CheckpointManager:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def load(ckpt: Path, state: dict[str, Any], scheduler: Any, *, rank: int, world_size: int) -> int:
+def load(ckpt: Path, state: dict[str, Any], scheduler: Any, *, rank: int, world_size: int,
+         device: torch.device = torch.device("cpu")) -> int:
     """Collective. Fills `state` in place, restores the scheduler and (same world size) RNG; returns the step."""
     info = json.loads((ckpt / TRAINER_FILE).read_text())
-    dcp.load(state, checkpoint_id=str(ckpt))
+    dcp.load(state, checkpoint_id=str(ckpt), storage_reader=accelerator.storage_reader(device, str(ckpt)),
+             planner=accelerator.load_planner(device), process_group=accelerator.host_group())
     scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
     # load_state_dict restores the scheduler's counter but not the optimizer's current lr: set it, or the first
     # resumed step would run at the lr of step 0.

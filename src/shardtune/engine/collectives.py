@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardtune import accelerator
+
 
 @dataclass
 class CommCounter:
@@ -34,8 +36,14 @@ def _ring_bytes(numel: int, elem_size: int, world: int) -> int:
     return 2 * (world - 1) * numel * elem_size // world
 
 
+def _issued(op: str, tensor: torch.Tensor, label: str, work: Any) -> Any:
+    """Record the collective on the simulated GPU (on the stream it was issued from) and wrap its work."""
+    accelerator.note(tensor.device, op, label)
+    return accelerator.tracked(work, tensor.device, f"{op}:{label}")
+
+
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, counter: CommCounter,
-                    *, async_op: bool = False) -> dist.Work | None:
+                    *, async_op: bool = False, label: str = "") -> dist.Work | None:
     """out (1D, numel = W·shard.numel) <- concatenation of every rank's `shard`. Returns the work if async."""
     world = dist.get_world_size(group)
     assert out.numel() == world * shard.numel() and out.dtype == shard.dtype
@@ -43,11 +51,12 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
         out.copy_(shard)
         return None
     counter.add("all_gather", out.dtype, _ring_bytes(out.numel(), out.element_size(), world))
-    return dist.all_gather_single(out, shard, group=group, async_op=async_op)
+    return _issued("all_gather", out, label, dist.all_gather_single(out, shard, group=group, async_op=async_op))
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup, counter: CommCounter,
-                        *, full_is_scratch: bool = False, async_op: bool = False, ring: bool = True) -> Any:
+                        *, full_is_scratch: bool = False, async_op: bool = False, ring: bool = True,
+                        label: str = "") -> Any:
     """out (1D, numel = full.numel / W) <- this rank's slice of the SUM over ranks of `full`. With `async_op`
     returns a handle to `wait()` on (None when nothing is in flight); `out` and `full` must stay alive until then.
 
@@ -64,7 +73,8 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGro
         return None
     counter.add("reduce_scatter", full.dtype, _ring_bytes(full.numel(), full.element_size(), world))
     if not (ring and full_is_scratch and dist.get_backend(group) == "gloo"):
-        return dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return _issued("reduce_scatter", out, label,
+                       dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
     work = _RingReduceScatter(out, full, group)
     if not async_op:
         work.wait()
@@ -108,10 +118,11 @@ class _RingReduceScatter:
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, counter: CommCounter,
-                *, async_op: bool = False) -> dist.Work | None:
+                *, async_op: bool = False, label: str = "") -> dist.Work | None:
     """In-place SUM over the group. `group=None` means a group of one rank (no-op)."""
     world = 1 if group is None else dist.get_world_size(group)
     if world == 1:
         return None
     counter.add("all_reduce", tensor.dtype, 2 * _ring_bytes(tensor.numel(), tensor.element_size(), world))
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _issued("all_reduce", tensor, label,
+                   dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op))

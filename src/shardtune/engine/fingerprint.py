@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from shardtune import accelerator
 from shardtune.errors import UserError
 from shardtune.memory import free_storage
 
@@ -37,7 +38,7 @@ class Hasher:
         flat = t.detach().reshape(-1)
         n = flat.numel()
         self._h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
-        if n == 0:
+        if n == 0 or t.is_meta:  # no values (the simulated GPU): shape and dtype only
             return
         bits = flat.view(_BITS[flat.element_size()])
         chunk = min(n, max(MIN_CHUNK, n // 64))  # few Python iterations for big tensors, small scratch for small
@@ -76,7 +77,7 @@ def check_same_on_all_ranks(named: list[tuple[str, int]], device: torch.device) 
     local = torch.tensor([h for _, h in named], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local)  # not counted in the engine's comm bytes: start-up only
-    table = torch.stack(gathered).cpu()  # world x entries
+    table = accelerator.to_host(torch.stack(gathered))  # world x entries (simulated GPU: zeros, all agree)
     for t in (local, *gathered):  # freed now, not when gloo drops the finished work: exact counts after start-up
         free_storage(t)
     differs = (table != table[0]).any(dim=0)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardtune import memory
+from shardtune import accelerator, memory
 from shardtune.engine.layout import padded
 
 
@@ -65,9 +65,10 @@ class FlatParam:
         # The shard: 1D, master dtype, numel P/W. Built from the full parameters every rank holds at construction
         # (same seed); costs one unit of extra host memory transiently. Meta params (loader fills later) are skipped.
         self.device = device  # compute device: `full` lives here
-        host = offload and device.type != "cpu"
-        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device="cpu" if offload else device,
-                                 pin_memory=host)  # pinned: the H2D copy before each all-gather runs async
+        if offload:  # pinned on an accelerator: the H2D copy before each all-gather runs async
+            self.shard = accelerator.host_empty(self.shard_numel, self.dtype, device, zero=True)
+        else:
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         for slot, (_, p, _) in zip(self.slots, params, strict=True):
             a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
             if a < b and not p.is_meta:
@@ -82,7 +83,8 @@ class FlatParam:
                 if a < b:
                     self.segments.append((decay, a, b, nn.Parameter(self.shard[a:b])))
         self._shard_grad_ref: weakref.ref[torch.Tensor] | None = None  # weak: zero_grad(set_to_none) frees it
-        self._h2d_done: torch.cuda.Event | None = None  # offload on CUDA: the last H2D copy of the shard
+        self._h2d_done = None  # offload on an accelerator: event after the last H2D copy of the shard
+        self.label = ""  # the unit it belongs to, for the simulated GPU's record (shard.py sets it)
 
         # No shard group and no cast: the shard IS the full buffer (no_shard fp32); never freed, nothing copied.
         self.aliased = shard_size == 1 and compute_dtype == self.dtype and self.shard.device == device
@@ -117,14 +119,9 @@ class FlatParam:
 
     def gather_input(self) -> torch.Tensor:
         """What this rank sends in the all-gather: its shard on the compute device (offload: the H2D copy, a no-op
-        on CPU), cast to the compute dtype (halves bytes for bf16)."""
-        send = self.shard.to(self.device, non_blocking=True)  # offload on CUDA: async from pinned memory
-        if send is not self.shard and self.device.type == "cuda":
-            # The copy reads the host shard when the stream gets there; the host optimizer must not write the shard
-            # before: `wait_host_reads` blocks on this event (the last copy of the step covers the earlier ones).
-            self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record()
-        return send.to(self.compute_dtype)  # no copy when already so
+        on CPU), cast to the compute dtype (halves bytes for bf16). Issued on the current stream: the unit puts
+        offload's copies on its copy stream (unit.py)."""
+        return shard_on_device(self, self.compute_dtype)
 
     def wait_host_reads(self) -> None:
         """Offload: block until the device has finished copying the host shard (before the optimizer writes it)."""
@@ -178,6 +175,20 @@ class FlatParam:
         """Bytes of this rank's model states held here: the shard plus its gradient when live."""
         g = self.shard_grad()
         return self.shard.nbytes + (g.nbytes if g is not None else 0)
+
+
+def shard_on_device(flat, dtype: torch.dtype) -> torch.Tensor:
+    """The shard on `flat.device` in `dtype` (FlatParam and QuantizedFlat)."""
+    send = flat.shard.to(flat.device, non_blocking=True)  # offload on an accelerator: async from pinned memory
+    if send is not flat.shard and accelerator.is_accelerator(flat.device):
+        accelerator.note(flat.device, "h2d", flat.label)
+        # The copy reads the host shard when the stream gets there; the host optimizer must not write the shard
+        # before: `wait_host_reads` blocks on this event (the last copy of the step covers the earlier ones).
+        flat._h2d_done = accelerator.new_event(flat.device)
+        flat._h2d_done.record()
+    if send.dtype != dtype:
+        accelerator.note(flat.device, "cast", flat.label)
+    return send.to(dtype)  # no copy when already so
 
 
 def slot_pieces(slots: list, shard_rank: int, shard_numel: int) -> Iterator[tuple[int, int, int, int]]:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from shardtune import memory
-from shardtune.engine.flat_param import slot_pieces
+from shardtune import accelerator, memory
+from shardtune.engine.flat_param import shard_on_device, slot_pieces
 from shardtune.engine.layout import Entry, padded
 from shardtune.engine.nf4_layout import BLOCK_BYTES, Nf4Layout
 
@@ -66,9 +66,11 @@ class QuantizedFlat:
         self.shard_size = shard_size
         self.shard_rank = shard_rank
         self.device = device
-        host = offload and device.type != "cpu"
-        self.shard = torch.zeros(self.shard_numel, dtype=torch.uint8, device="cpu" if offload else device,
-                                 pin_memory=host)  # 1D, uint8, P/W bytes: this rank's codes + scales
+        # 1D, uint8, P/W bytes: this rank's codes + scales (offload: on the host, pinned on an accelerator)
+        self.shard = (accelerator.host_empty(self.shard_numel, torch.uint8, device, zero=True) if offload
+                      else torch.zeros(self.shard_numel, dtype=torch.uint8, device=device))
+        self._h2d_done = None  # offload: event after the last H2D copy (nothing waits: no one writes the base)
+        self.label = ""
         self.full = torch.empty(0, dtype=torch.uint8, device=device)  # 1D, uint8, P once gathered
         real = {name: p for name, p, _ in params if not p.is_meta}
         if real:
@@ -113,7 +115,7 @@ class QuantizedFlat:
             memory.free_storage(self.full)
 
     def gather_input(self) -> torch.Tensor:
-        return self.shard.to(self.device, non_blocking=True)  # offload: H2D of the bytes; else no copy
+        return shard_on_device(self, torch.uint8)  # offload: H2D of the bytes; else no copy
 
     def wait_host_reads(self) -> None:
         """Nothing to wait for: the frozen base's host shard is only read (no optimizer writes it)."""

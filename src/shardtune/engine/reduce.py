@@ -25,7 +25,6 @@ waits (the D2H copy runs on the reduce stream), so both are `record_stream`ed on
 """
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from shardtune import accelerator
 from shardtune.engine.collectives import CommCounter, all_reduce_, reduce_scatter_into
 from shardtune.engine.flat_param import FlatParam
 
@@ -60,15 +60,15 @@ class GradReducer:
         self.max_in_flight = max_in_flight  # memory bound: each pending reduction keeps ~1 unit gradient alive
         # False: the collective NCCL runs (reduce_scatter_single) even on gloo, so CPU tests cover it.
         self.gloo_ring = True
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # separate "thread" for reductions
+        self.stream = accelerator.new_stream(device, "reduce")  # separate "thread" for reductions (None on cpu)
         self._in_flight: deque[_Pending] = deque()
-        self._host: list[tuple[FlatParam, torch.Tensor, torch.cuda.Event | None]] = []  # offload: D2H copies
+        self._host: list[tuple[FlatParam, torch.Tensor, Any]] = []  # offload: D2H copies and their events
         self.unsharded: dict[FlatParam, torch.Tensor] = {}  # no-sync accumulation: 1D, fp32, numel P per flat
         self.num_issued = 0  # reductions issued (tests: that the async path ran)
         self.num_host_copies = 0  # offload: D2H copies issued into host buffers (tests: offload really copies)
 
-    def _on_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+    def _on_stream(self) -> Any:
+        return accelerator.use_stream(self.stream)
 
     # -- per flat gradient -----------------------------------------------------------------------------------------
     def reduce(self, flat: FlatParam, grad: torch.Tensor, *, sync: bool) -> None:
@@ -89,7 +89,7 @@ class GradReducer:
         del grad, acc
         self.num_issued += 1
         if self.stream is not None:  # the reduce stream may read `full` only after the compute stream wrote it
-            ready = torch.cuda.Event()
+            ready = accelerator.new_event(self.device)
             ready.record()
             self.stream.wait_event(ready)
         out = None
@@ -98,10 +98,10 @@ class GradReducer:
         with self._on_stream():
             if out is not None:
                 work = reduce_scatter_into(out, full, self.shard_group, self.counter, full_is_scratch=True,
-                                           async_op=True, ring=self.gloo_ring)
+                                           async_op=True, ring=self.gloo_ring, label=flat.label)
                 item = _Pending(flat, full, out, work, self.replicate_group is not None)
             else:  # no_shard: the whole gradient is this rank's "shard"; sum it across replicas
-                work = all_reduce_(full, self.replicate_group, self.counter, async_op=True)
+                work = all_reduce_(full, self.replicate_group, self.counter, async_op=True, label=flat.label)
                 item = _Pending(flat, None, full, work, False)
         self._in_flight.append(item)
 
@@ -130,7 +130,7 @@ class GradReducer:
         with self._on_stream():
             if item.work is not None:
                 item.work.wait()  # CUDA: the reduce stream waits for the reduce-scatter, the CPU goes on; gloo: blocks
-            item.work = all_reduce_(item.out, self.replicate_group, self.counter, async_op=True)
+            item.work = all_reduce_(item.out, self.replicate_group, self.counter, async_op=True, label=item.flat.label)
         item.all_reduce_left = False
 
     def _retire(self, item: _Pending) -> None:
@@ -144,16 +144,16 @@ class GradReducer:
             if item.work is not None:
                 item.work.wait()
             # Non-blocking D2H into a pinned buffer; the host reads it only after `done` (in `wait`).
-            host = torch.empty(item.out.numel(), dtype=item.out.dtype, device="cpu",
-                               pin_memory=self.stream is not None)
-            host.copy_(item.out, non_blocking=True)
+            host = accelerator.host_empty(item.out.numel(), item.out.dtype, self.device)
+            accelerator.copy_to_host(host, item.out)
+            accelerator.note(self.device, "d2h", item.flat.label)
             done = None
             if self.stream is not None:
                 # Dropped below while the reduce stream may still use them: the allocator must wait for it.
                 for t in (item.full, item.out):
                     if t is not None:
-                        t.record_stream(self.stream)
-                done = torch.cuda.Event()
+                        accelerator.record_stream(t, self.stream)
+                done = accelerator.new_event(self.device)
                 done.record(self.stream)
         self.num_host_copies += 1
         self._host.append((item.flat, host, done))

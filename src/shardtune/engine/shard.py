@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from shardtune import accelerator
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
 from shardtune.engine.collectives import all_gather_into, all_reduce_
 from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
@@ -97,7 +98,8 @@ class ShardtuneModel:
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch clip_grads_with_norm_
             for dev in {g.device for g in grads}:  # offload: shard grads on the host, adapters on the device
-                torch._foreach_mul_([g for g in grads if g.device == dev], coef.to(dev))
+                scale = coef.to(dev) if dev == coef.device or coef.device.type == "cpu" else accelerator.to_host(coef)
+                torch._foreach_mul_([g for g in grads if g.device == dev], scale)
         return total
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
@@ -126,7 +128,8 @@ class ShardtuneModel:
                 if self.ctx.shard_group is None:
                     full.copy_(flat.shard)
                 else:
-                    all_gather_into(full, flat.shard.to(self.ctx.device), self.ctx.shard_group, self.ctx.counter)
+                    all_gather_into(full, flat.shard.to(self.ctx.device), self.ctx.shard_group, self.ctx.counter,
+                                    label=flat.label)
                 if rank0 and isinstance(flat, QuantizedFlat):
                     yield from ((n, t.to("cpu", copy=True)) for n, t in flat.dequantized(full))  # what compute sees
                 elif rank0:
@@ -187,6 +190,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     replicated = replicated_params(module, policy)
     for _, p in replicated:
         p.data = p.data.to(device=device, dtype=torch.float32)
+    if policy.cpu_offload:
+        ctx.copy_stream = accelerator.new_stream(device, "h2d")  # None on the host: copies run inline
     ctx.reducer = GradReducer(shard_group=shard_group, replicate_group=replicate_group,
                               reduce_dtype=ctx.reduce_dtype, device=device, counter=ctx.counter,
                               offload=policy.cpu_offload)
@@ -214,6 +219,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
                                        device=device, offload=policy.cpu_offload))
         # The original parameters leave the module; `model.parameters()` now yields this rank's shard segments.
         for flat in flats:
+            flat.label = "root" if up.is_root else f"unit{i}"
             for slot in flat.slots:
                 for m, attr in slot.locations:
                     del m._parameters[attr]

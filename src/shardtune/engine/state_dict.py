@@ -25,9 +25,16 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+from shardtune import accelerator
 from shardtune.engine.flat_param import FlatParam
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _device_step(group: dict[str, Any]) -> bool:
+    """AdamW keeps `step` on the parameter's device for its fused and capturable kernels (which read it as a
+    device address), on the host otherwise (torch's own rule, optim/adam.py)."""
+    return bool(group.get("fused") or group.get("capturable"))
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -36,7 +43,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = accelerator.step_tensor(p, fused=_device_step(group))
                 for k in OPTIM_KEYS:
                     state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -55,8 +62,10 @@ def _sharded(flat: FlatParam, slot_index: int, local: torch.Tensor | None, shard
                 metas.append(m)
                 if r == shard_rank and local is not None:
                     mine.append(Shard(tensor=local, metadata=m))
+    # Described as the chunk is: ShardedTensor refuses a pinned chunk (offload on an accelerator) said unpinned.
     props = TensorProperties(dtype=flat.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
+                             memory_format=torch.contiguous_format,
+                             pin_memory=local is not None and local.is_pinned())
     meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([slot.numel]), tensor_properties=props)
     return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta)
 
@@ -77,7 +86,7 @@ def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: t
             if not flat.requires_grad:
                 continue  # frozen: rebuilt from the recipe, never re-saved
             device = flat.shard.device
-            dev = f"{device.type}:{device.index}" if device.type == "cuda" else "cpu"
+            dev = str(device)  # cpu, cuda:N, meta (the simulated GPU)
             local_model: dict[int, torch.Tensor] = {}
             local_opt: dict[int, dict[str, torch.Tensor]] = {}
             if owner:
@@ -103,7 +112,8 @@ def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: t
     # resume would restart AdamW's bias correction at step 0: the bug this replaced.)
     states = [optimizer.state[p] for g in optimizer.param_groups for p in g["params"]]
     step = next((st["step"] for st in states if "step" in st), None)
-    out["optim.step"] = step.clone() if step is not None else torch.tensor(0.0)
+    # Saved as a host scalar whatever the kernel's placement (a device step would be saved with its device).
+    out["optim.step"] = accelerator.to_host(step).clone() if step is not None else torch.tensor(0.0)
     return out
 
 
@@ -117,4 +127,4 @@ def after_load(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
     step = state["optim.step"]
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.state[p]["step"] = step.clone()
+            optimizer.state[p]["step"] = accelerator.step_tensor(p, fused=_device_step(group), value=step)

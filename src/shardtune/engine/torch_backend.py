@@ -21,6 +21,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from shardtune import accelerator
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
 from shardtune.engine.wrap import find_units
 
@@ -92,7 +93,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     mesh = build_mesh(device.type, policy.strategy, policy.hybrid_shard_size)
     mp = MixedPrecisionPolicy(param_dtype=policy.mixed_precision.param_dtype,
                               reduce_dtype=policy.mixed_precision.reduce_dtype)
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if policy.cpu_offload else OffloadPolicy()
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=accelerator.has_pinned_memory(device)) if policy.cpu_offload else OffloadPolicy()
     reshard = policy.strategy is not ShardingStrategy.SHARD_GRAD_OP
     units = find_units(module, policy.unit_classes, policy.min_unit_params)
     for unit in units:

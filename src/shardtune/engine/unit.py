@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from shardtune import accelerator
 from shardtune.engine.api import ShardingStrategy
 from shardtune.engine.collectives import CommCounter, all_gather_into
 from shardtune.engine.flat_param import FlatParam
@@ -67,6 +68,9 @@ class EngineContext:
     replicated: ReplicatedParams | None = None  # LoRA adapters: whole on every rank, one all-reduce per sync
     reducer: GradReducer | None = None  # the units' gradient reductions in flight (reduce.py)
     step: StepState = field(default_factory=StepState)  # per-iteration root state (step.py)
+    # CPU offload on an accelerator: the H2D copies of the shards, their casts and the all-gathers that read them
+    # are issued on this stream (FSDP2's copy-in stream), so the compute stream never queues behind a PCIe copy.
+    copy_stream: Any = None
 
 
 class Unit:
@@ -81,6 +85,7 @@ class Unit:
         self.num_unshards = 0  # gathers issued (forward, backward; never by a checkpoint recompute): tests, bench
         self._works: list[Any] = []
         self._sends: list[torch.Tensor] = []  # bf16 casts of the shards, alive until the gather completes
+        self._copied = None  # offload: event on the copy stream after this gather's copies (what compute waits on)
         self._leaves: dict[int, torch.Tensor] = {}  # flat index -> autograd leaf of this forward
         self._pending_post_backward: set[int] = set()  # flats whose gradient has not been reduced yet
         self._pre_backward_done = False
@@ -97,21 +102,38 @@ class Unit:
         if self.state is not ShardState.SHARDED:
             return
         self.num_unshards += 1
+        ctx = self.ctx
+        stream = ctx.copy_stream
+        if stream is not None:
+            # `full` is allocated on the compute stream below; the copy stream may write it only once the compute
+            # work queued before that allocation (the previous user of its memory) is done.
+            stream.wait_stream(accelerator.current_stream(ctx.device))
         for flat in self.flats:
-            if flat.aliased:
-                continue
-            flat.alloc_full()
-            send = flat.gather_input()
-            if self.ctx.shard_group is None:
-                flat.full.copy_(send)
-                continue
-            self._sends.append(send)
-            self._works.append(all_gather_into(flat.full, send, self.ctx.shard_group, self.ctx.counter,
-                                               async_op=async_op))
+            if not flat.aliased:
+                flat.alloc_full()
+        with accelerator.use_stream(stream):
+            for flat in self.flats:
+                if flat.aliased:
+                    continue
+                send = flat.gather_input()
+                if ctx.shard_group is None:
+                    flat.full.copy_(send)
+                    continue
+                self._sends.append(send)
+                self._works.append(all_gather_into(flat.full, send, ctx.shard_group, ctx.counter,
+                                                   async_op=async_op, label=flat.label))
+            if stream is not None:
+                self._copied = accelerator.new_event(ctx.device)
+                self._copied.record(stream)
         self.state = ShardState.GATHERING
 
     def wait(self) -> None:
         self.unshard(async_op=False)
+        if self._copied is not None:
+            # The compute that reads the gathered buffer waits for this gather's copies (one event), not for
+            # everything the copy stream holds (the next unit's prefetch may be queued there already).
+            accelerator.current_stream(self.ctx.device).wait_event(self._copied)
+            self._copied = None
         for w in self._works:
             if w is not None:
                 w.wait()

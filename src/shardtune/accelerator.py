@@ -1,0 +1,365 @@
+"""The device seam: everything that differs between the host (CPU, gloo), a CUDA GPU and the simulated GPU.
+
+Three kinds of compute device:
+  cpu    the host is the device: no streams (everything runs in program order), no pinned memory, gloo.
+  cuda   plain torch.cuda: streams, events, pinned host buffers, NCCL.
+  meta   the simulated GPU (tests/simulated, `plan --simulate`): the engine takes the GPU branch on meta tensors
+         (shapes, dtypes and devices, no bytes); a fake process group registered for the meta device only runs the
+         collectives without moving anything and rejects a CPU tensor exactly as NCCL does ("No backend type
+         associated with device type cpu"); streams and events are stand-ins that record, in order, what was issued
+         on which stream and what waited on what (`TRACE`). A meta tensor holds no values: a host read of one
+         (`to_host`, `item`) gives zeros.
+Nothing else in src/ asks `device.type`: it asks this module. The CUDA path below is exactly torch.cuda.
+
+API (all keyword-free on the device; `device` is the compute device of the run):
+  is_accelerator(device)             cuda or simulated: streams, pinned host buffers, device-resident collectives
+  is_simulated(device)
+  backend(device)                    the default process group's backend: nccl | simgpu | gloo
+  init_process_group(device, *, rank, world_size, timeout, store=None)   default group + the host group
+  host_group()                       a gloo group over all ranks for host-side coordination (checkpoint agreement,
+                                     DCP planning, barriers); the default group itself when that is gloo
+  compute_device(device_type, local_rank)  the torch.device a worker computes on (sets the CUDA device)
+  new_stream(device, name)           a side stream (None on cpu: run inline)
+  current_stream(device)             the stream work is issued on now (None on cpu)
+  use_stream(stream)                 context: issue on `stream` (nullcontext for None)
+  new_event(device)                  an event (None on cpu); .record(stream=None), .synchronize(), and
+                                     stream.wait_event(event) / stream.wait_stream(other)
+  record_stream(tensor, stream)      the allocator may reuse `tensor` only once `stream` is past this point
+  note(device, op, label)            record an op issued on the current stream (simulated only; no-op elsewhere)
+  tracked(work, device, label)       a collective's work whose wait() is recorded (simulated only)
+  host_empty(numel, dtype, device)   a 1-D host buffer, pinned when the device is an accelerator
+  has_pinned_memory(device)          whether torch can pin host memory for it (FSDP2's offload policy)
+  optimizer_flags(params)            AdamW's implementation: {"fused": True} when every param is on the host (the
+                                     fused CPU kernel), else {"foreach": True}
+  step_tensor(param, fused)          AdamW's `step` for `param`: on the param's device when fused (the fused CUDA
+                                     kernel reads it as a device address), else a CPU scalar (torch's rule)
+  to_host(tensor) / item(tensor)     a blocking device-to-host read (zeros on the simulated device)
+  copy_to_host(dst, src)             a non-blocking device-to-host copy into a host buffer
+  synchronize(device)                wait for all queued device work (no-op on cpu)
+  storage_writer(device, path) / storage_reader(device, path) / load_planner(device)   DCP storage: None (DCP's
+                                     file system, default planner) or, on the simulated device, storage that moves
+                                     no bytes and a planner that keeps meta tensors (checkpoint/null_storage.py)
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SIM_BACKEND = "simgpu"
+SIMULATED = torch.device("meta")
+
+
+def is_simulated(device: torch.device) -> bool:
+    return device.type == "meta"
+
+
+def is_accelerator(device: torch.device) -> bool:
+    return device.type == "cuda" or is_simulated(device)
+
+
+def backend(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "nccl"
+    return SIM_BACKEND if is_simulated(device) else "gloo"
+
+
+def compute_device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(device_type)
+
+
+# -- process groups --------------------------------------------------------------------------------------------------
+_HOST_GROUP: list[Any] = []  # [group] once init_process_group ran
+
+
+def init_process_group(device: torch.device, *, rank: int, world_size: int, timeout: timedelta,
+                       store: dist.Store | None = None) -> None:
+    """The default group on the device's backend, then the gloo host group (collective over all ranks)."""
+    if is_simulated(device):
+        register_simulated_backend()
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend(device), rank=rank, world_size=world_size, timeout=timeout, store=store, **kwargs)
+    _HOST_GROUP.clear()
+    _HOST_GROUP.append(dist.group.WORLD if backend(device) == "gloo" else dist.new_group(backend="gloo",
+                                                                                         timeout=timeout))
+
+
+def host_group() -> Any:
+    """Gloo over all ranks, for host tensors on purpose (agreement flags, DCP's object collectives, barriers)."""
+    if not _HOST_GROUP:  # a process group set up by someone else (tests' gloo harness): it is the host group
+        assert dist.get_backend() == "gloo", "init_process_group (this module) creates the host group"
+        return dist.group.WORLD
+    return _HOST_GROUP[0]
+
+
+def forget_host_group() -> None:
+    """After destroy_process_group: the host group died with it."""
+    _HOST_GROUP.clear()
+
+
+def register_simulated_backend() -> None:
+    """A fake process group for the meta device only: collectives on meta tensors complete at once and move
+    nothing; a CPU tensor is refused as NCCL refuses it. One process per rank; no rank waits on another."""
+    if SIM_BACKEND.upper() in dist.Backend.backend_list or SIM_BACKEND in dist.Backend.backend_list:
+        return
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    def create(common_opts: Any, backend_opts: Any) -> Any:
+        return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+
+    dist.Backend.register_backend(SIM_BACKEND, create, extended_api=True, devices=["meta"])
+    _simulate_pinned_memory()
+    _simulate_host_reads()
+
+
+_LIBS: list[Any] = []  # keeps the simulated kernels registered
+
+
+def _simulate_host_reads() -> None:
+    """A host read of a meta tensor (`.item()`, `bool()`, what HF's packed-sequence check does) gives zero, as
+    `to_host` does, instead of raising. Simulation only: a kernel for the meta device, which real runs never use."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_local_scalar_dense", _zero_scalar, "Meta")
+    _LIBS.append(lib)
+
+
+def _zero_scalar(t: torch.Tensor) -> bool | int | float:
+    if t.dtype == torch.bool:
+        return False
+    return 0.0 if t.dtype.is_floating_point else 0
+
+
+# -- the simulated GPU's record --------------------------------------------------------------------------------------
+@dataclass
+class Trace:
+    """What the simulated GPU was asked to do, in program order: tuples of
+      ("op", stream, what, label)        an op issued on `stream` (what: all_gather, reduce_scatter, h2d, ...)
+      ("record", stream, event_id)       an event recorded on `stream`
+      ("wait_event", stream, event_id)   `stream` waits for the event
+      ("wait_stream", stream, other)     `stream` waits for everything issued on `other` so far
+      ("wait_work", stream, label)       `stream` waits for a collective (dist.Work.wait on CUDA)
+      ("host_wait", "host", event_id)    the CPU blocks on the event
+    """
+    entries: list[tuple] = field(default_factory=list)
+    enabled: bool = True
+
+    def add(self, *entry: Any) -> None:
+        if self.enabled:
+            self.entries.append(entry)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+TRACE = Trace()
+_EVENT_IDS = itertools.count()
+
+
+class SimStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_event(self, event: SimEvent) -> None:
+        TRACE.add("wait_event", self.name, event.id)
+
+    def wait_stream(self, other: SimStream) -> None:
+        TRACE.add("wait_stream", self.name, other.name)
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name})"
+
+
+class SimEvent:
+    def __init__(self) -> None:
+        self.id = next(_EVENT_IDS)
+        self.stream: str | None = None
+
+    def record(self, stream: SimStream | None = None) -> None:
+        self.stream = (stream or _SIM_CURRENT[-1]).name
+        TRACE.add("record", self.stream, self.id)
+
+    def synchronize(self) -> None:
+        TRACE.add("host_wait", "host", self.id)
+
+    def query(self) -> bool:
+        return True
+
+
+_SIM_COMPUTE = SimStream("compute")
+_SIM_CURRENT: list[SimStream] = [_SIM_COMPUTE]
+
+
+class _TrackedWork:
+    """A simulated collective's work: wait() is recorded on the stream current at the wait."""
+
+    def __init__(self, work: Any, label: str) -> None:
+        self._work, self.label = work, label
+
+    def wait(self) -> bool:
+        TRACE.add("wait_work", _SIM_CURRENT[-1].name, self.label)
+        return self._work.wait() if self._work is not None else True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+# -- streams and events ----------------------------------------------------------------------------------------------
+def new_stream(device: torch.device, name: str) -> Any:
+    if device.type == "cuda":
+        return torch.cuda.Stream(device)
+    return SimStream(name) if is_simulated(device) else None
+
+
+def current_stream(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    return _SIM_CURRENT[-1] if is_simulated(device) else None
+
+
+@contextlib.contextmanager
+def _sim_stream(stream: SimStream):
+    _SIM_CURRENT.append(stream)
+    try:
+        yield
+    finally:
+        _SIM_CURRENT.pop()
+
+
+def use_stream(stream: Any) -> contextlib.AbstractContextManager:
+    if stream is None:
+        return contextlib.nullcontext()
+    if isinstance(stream, SimStream):
+        return _sim_stream(stream)
+    return torch.cuda.stream(stream)
+
+
+def new_event(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return torch.cuda.Event()
+    return SimEvent() if is_simulated(device) else None
+
+
+def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    if isinstance(stream, torch.cuda.Stream):
+        tensor.record_stream(stream)
+
+
+def note(device: torch.device, op: str, label: str = "") -> None:
+    if is_simulated(device):
+        TRACE.add("op", _SIM_CURRENT[-1].name, op, label)
+
+
+def tracked(work: Any, device: torch.device, label: str) -> Any:
+    return _TrackedWork(work, label) if is_simulated(device) and work is not None else work
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif is_simulated(device):
+        TRACE.add("host_wait", "host", "all")
+
+
+# -- host memory -----------------------------------------------------------------------------------------------------
+_SIM_PINNED: dict[int, Any] = {}  # simulated pinned storages: data_ptr -> weakref to the storage
+
+
+def host_empty(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
+    """A 1-D host buffer; pinned when `device` is an accelerator, so copies to and from it run asynchronously."""
+    pin = device.type == "cuda"
+    t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device="cpu", pin_memory=pin)
+    if is_simulated(device) and t.untyped_storage().data_ptr():
+        import weakref
+        st = t.untyped_storage()
+        _SIM_PINNED[st.data_ptr()] = weakref.ref(st)
+    return t
+
+
+def has_pinned_memory(device: torch.device) -> bool:
+    """Whether host buffers for `device` can really be pinned (CUDA; not the simulated GPU on a CPU build)."""
+    return device.type == "cuda"
+
+
+def _sim_is_pinned(self: torch.Tensor, *args: Any) -> bool:
+    if self.device.type != "cpu":
+        return False
+    st = self.untyped_storage()
+    ref = _SIM_PINNED.get(st.data_ptr())
+    return ref is not None and ref() is not None and st.nbytes() > 0
+
+
+def _simulate_pinned_memory() -> None:
+    """A CPU build has no pinned allocator: the simulated GPU's pinned buffers are plain host tensors, and
+    `Tensor.is_pinned()` reports the ones `host_empty` made as pinned, as it would on CUDA (what DCP's and
+    ShardedTensor's checks read). Simulation only: never installed on a real run."""
+    torch.Tensor.is_pinned = _sim_is_pinned  # type: ignore[method-assign]
+
+
+# -- optimizer -------------------------------------------------------------------------------------------------------
+def optimizer_flags(params: list[torch.Tensor]) -> dict[str, bool]:
+    """Every state on the host (a CPU run, offloaded shards): the fused CPU kernel, one pass per tensor. Otherwise
+    the multi-tensor (foreach) path, torch's default on CUDA; and no fused kernel on a mix of devices."""
+    if params and all(p.device.type == "cpu" for p in params):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def step_tensor(param: torch.Tensor, *, fused: bool, value: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """AdamW's step counter for `param` (torch's own placement: the param's device for fused or capturable
+    kernels, a CPU scalar otherwise)."""
+    device = param.device if fused else torch.device("cpu")
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float32, copy=True)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+# -- host reads ------------------------------------------------------------------------------------------------------
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A blocking copy to the host (a sync point on CUDA). Simulated: zeros, a meta tensor has no values."""
+    if tensor.is_meta:
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)
+    return tensor.cpu()
+
+
+def item(tensor: torch.Tensor) -> float:
+    return to_host(tensor).item()
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst (host, pinned on an accelerator) <- src (device), non-blocking: the caller records an event and waits
+    on it before reading `dst`. Simulated: nothing to copy."""
+    if not src.is_meta:
+        dst.copy_(src, non_blocking=True)
+
+
+# -- checkpoint storage ----------------------------------------------------------------------------------------------
+def storage_writer(device: torch.device, path: str) -> Any:
+    if not is_simulated(device):
+        return None  # DCP's own file system writer
+    from shardtune.checkpoint.null_storage import NullWriter
+
+    return NullWriter(path)
+
+
+def storage_reader(device: torch.device, path: str) -> Any:
+    if not is_simulated(device):
+        return None
+    from shardtune.checkpoint.null_storage import NullReader
+
+    return NullReader(path)
+
+
+def load_planner(device: torch.device) -> Any:
+    if not is_simulated(device):
+        return None  # DCP's default
+    from shardtune.checkpoint.null_storage import NullLoadPlanner
+
+    return NullLoadPlanner()

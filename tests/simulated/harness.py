@@ -1,0 +1,61 @@
+"""Ranks on the simulated GPU (shardtune/accelerator.py): one process per rank, default group on the fake "simgpu"
+backend (meta tensors only: no bytes move, a CPU tensor is refused as NCCL refuses it) plus the gloo host group.
+
+The ranks never wait on each other in the fake group's collectives, only on the host group (DCP's planning, the
+checkpoint's barriers), so a world of 8 costs 8 cheap processes. Settings run in a loop inside one start, as in
+tests/distributed/harness.py; the simulated GPU's record (accelerator.TRACE) is cleared before each.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtune import accelerator
+from tests.distributed.harness import RankFailure, start_ranks
+
+
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., None],
+            settings: list[dict[str, Any]]) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    store = dist.FileStore(store_path, world_size)
+    accelerator.init_process_group(accelerator.SIMULATED, rank=rank, world_size=world_size,
+                                   timeout=datetime.timedelta(seconds=120), store=store)
+    try:
+        for s in settings:
+            accelerator.TRACE.clear()
+            try:
+                fn(**s)
+            except Exception as e:
+                raise RankFailure(f"rank {rank}/{world_size}, setting {s}:\n{traceback.format_exc()}") from e
+            dist.barrier(group=accelerator.host_group())
+    finally:
+        dist.destroy_process_group()
+        accelerator.forget_host_group()
+
+
+def run_simulated(fn: Callable[..., None], world_size: int, settings: list[dict[str, Any]] | None = None) -> None:
+    """`fn(**s)` for each s in `settings` on `world_size` simulated-GPU ranks. `fn` must be importable."""
+    with tempfile.TemporaryDirectory() as tmp:
+        start_ranks(_worker, (world_size, os.path.join(tmp, "store"), fn, settings or [{}]), world_size)
+
+
+def run_here(fn: Callable[..., Any], *, rank: int = 0, world_size: int = 2) -> Any:
+    """One simulated rank in this process (no peers needed: the fake group never waits); for single checks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        accelerator.register_simulated_backend()
+        dist.init_process_group(accelerator.SIM_BACKEND, store=store, rank=rank, world_size=world_size)
+        try:
+            accelerator.TRACE.clear()
+            return fn()
+        finally:
+            dist.destroy_process_group()
