@@ -8,12 +8,18 @@ collector's tensors. Storages resized in place outside dispatch (`UntypedStorage
 parameters) are caught by re-reading the size of every registered storage of at least `recheck_min_bytes` after each
 op, and by `storage_resized()`, which our engine calls when it resizes. Cost: Python work per op (~2-5x slower
 steps): use it for measurement runs, not for timing.
+
+Meta mode (`device_type="meta"`, what `plan --simulate` uses): the same bookkeeping over meta storages, which have
+sizes but no bytes, so a full-size step on the simulated GPU reports the device peak it would reach. `host` (a
+predicate: "is a storage created now, or this tensor, host memory?") splits off what the simulation keeps on its
+stand-in host, counted apart in `host_peak_bytes()`.
 """
 from __future__ import annotations
 
 import gc
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,8 +43,11 @@ def free_storage(tensor: torch.Tensor) -> None:
 
 def _data_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage that owns `t`'s bytes, or None for a wrapper subclass (DTensor): it reports its logical size
-    but holds no data (its local tensor, seen separately, does)."""
+    but holds no data (its local tensor, seen separately, does). A meta storage never has a data pointer: there a
+    wrapper is told by its own __torch_dispatch__."""
     try:
+        if t.is_meta:
+            return None if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ else t.untyped_storage()
         st = t.untyped_storage()
         if st.data_ptr() == 0 and st.nbytes() > 0:
             return None
@@ -48,9 +57,17 @@ def _data_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 class CpuMemoryTracker(TorchDispatchMode):
-    def __init__(self, *, recheck_min_bytes: int = 64 * 1024) -> None:
+    def __init__(self, *, recheck_min_bytes: int = 64 * 1024, device_type: str = "cpu",
+                 host: Callable[[torch.Tensor | None], bool] | None = None) -> None:
+        """`device_type`: whose storages count (cpu, or meta for the simulated GPU). `host(t)`: whether tensor
+        `t` (at start) or an op's output now (`t` None) is host memory, counted apart (meta mode only)."""
         super().__init__()
         self.recheck_min_bytes = recheck_min_bytes
+        self.device_type = device_type
+        self._host_pred = host
+        self._host: set[int] = set()  # keys of host storages
+        self._host_live = 0
+        self._host_peak = 0
         self._sizes: dict[int, int] = {}  # id(storage wrapper) -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._big: set[int] = set()  # ids rechecked after every op
@@ -60,30 +77,40 @@ class CpuMemoryTracker(TorchDispatchMode):
         self._lock = threading.RLock()  # re-entrant: gc may run a weakref callback while we hold it
 
     # -- registration ----------------------------------------------------------------------------------------------
-    def _update(self, st: torch.UntypedStorage | None) -> None:
-        if st is None or st.device.type != "cpu":
+    def _update(self, st: torch.UntypedStorage | None, host: bool | None = None) -> None:
+        if st is None or st.device.type != self.device_type:
             return
         with self._lock:
-            self._update_locked(st)
+            self._update_locked(st, host)
 
-    def _update_locked(self, st: torch.UntypedStorage) -> None:
+    def _update_locked(self, st: torch.UntypedStorage, host: bool | None = None) -> None:
         key = id(st)
         n = st.nbytes()
         if key not in self._sizes:
             self._refs[key] = weakref.ref(st, lambda _, k=key: self._forget(k))
             self._sizes[key] = 0
+            if host if host is not None else (self._host_pred is not None and self._host_pred(None)):
+                self._host.add(key)
         old = self._sizes[key]
         if n != old:
             self._sizes[key] = n
-            self._live += n - old
+            self._add(key, n - old)
             if n >= self.recheck_min_bytes:
                 self._big.add(key)
-        self._peak = max(self._peak, self._live)
+
+    def _add(self, key: int, delta: int) -> None:
+        if key in self._host:
+            self._host_live += delta
+            self._host_peak = max(self._host_peak, self._host_live)
+        else:
+            self._live += delta
+            self._peak = max(self._peak, self._live)
 
     def _forget(self, key: int) -> None:
         # Weakref callbacks run in whichever thread drops the last reference (autograd, gloo): hence the lock.
         with self._lock:
-            self._live -= self._sizes.pop(key, 0)
+            self._add(key, -self._sizes.pop(key, 0))
+            self._host.discard(key)
             self._refs.pop(key, None)
             self._big.discard(key)
 
@@ -93,9 +120,8 @@ class CpuMemoryTracker(TorchDispatchMode):
                 ref = self._refs.get(key)
                 st = ref() if ref is not None else None
                 if st is not None and key in self._sizes and st.nbytes() != self._sizes[key]:
-                    self._live += st.nbytes() - self._sizes[key]
+                    self._add(key, st.nbytes() - self._sizes[key])
                     self._sizes[key] = st.nbytes()
-            self._peak = max(self._peak, self._live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         peak_before = self._peak
@@ -114,10 +140,14 @@ class CpuMemoryTracker(TorchDispatchMode):
     # -- public API ------------------------------------------------------------------------------------------------
     def start(self) -> CpuMemoryTracker:
         gc.collect()
-        for obj in gc.get_objects():
-            if issubclass(type(obj), torch.Tensor) and not obj.is_meta:  # type(): no __class__ lookups
-                self._update(_data_storage(obj))
-        self._peak = self._live
+        meta = self.device_type == "meta"
+        found = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]  # type(): no __class__
+        if self._host_pred is not None:  # host tensors first: a storage is host if any tensor on it is
+            found.sort(key=lambda t: not self._host_pred(t))
+        for obj in found:
+            if obj.is_meta == meta:
+                self._update(_data_storage(obj), host=self._host_pred is not None and self._host_pred(obj))
+        self._peak, self._host_peak = self._live, self._host_live
         _ACTIVE.append(self)
         self.__enter__()
         return self
@@ -128,10 +158,13 @@ class CpuMemoryTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self._recheck_big()
-        self._peak = self._live
+        self._peak, self._host_peak = self._live, self._host_live
 
     def peak_bytes(self) -> int:
         return self._peak
+
+    def host_peak_bytes(self) -> int:
+        return self._host_peak
 
     def live_bytes(self) -> int:
         self._recheck_big()

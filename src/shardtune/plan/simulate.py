@@ -1,0 +1,158 @@
+"""`shardtune plan RECIPE --simulate`: one real training step of the recipe, at its real size and world size, on
+the simulated GPU (accelerator.py: meta tensors, a fake process group), with the memory tracker counting live meta
+bytes. What it checks: the analytic plan (estimate.py) against the engine's real allocations, op by op.
+
+How, and what it leaves out:
+  - Rank 0 alone stands in for the world: the fake group's collectives complete at once and return tensors of the
+    right shapes, so rank 0 allocates exactly what it would beside N-1 peers. Everything is the real code path:
+    build_model, parallelize (LoRA, checkpointing, sharding, NF4), the optimizer, `train.train_step`.
+  - Rank 0 builds the data alone (data/ranks.py's agreement needs real peers on a gloo group).
+  - The seeded init is skipped (parallelize's `init_into_shards`): it draws every module on the host, minutes at
+    70B, and a meta shard holds no values anyway.
+  - The step runs min(grad_accum, 2) micro-steps: the plan's peak depends on grad_accum only through "earlier
+    micro-steps' gradients exist" (> 1), which the second micro-step already has.
+  - Offloaded host buffers (`accelerator.host_empty`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
+    cannot be allocated here. Ops on them stay host (counted apart, as host bytes); their non-blocking `.to()` (the
+    engine's H2D copy, flat_param.shard_on_device) makes a new device tensor, as the copy on a GPU does.
+  - Values are not computed (meta): the loss and norms read as 0. Packed rows' position ids read as zeros.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtune import accelerator
+
+_HOST = threading.local()  # depth of HostMeta ops running now: their new storages are host memory
+
+
+def _in_host_op() -> bool:
+    return getattr(_HOST, "depth", 0) > 0
+
+
+class HostMeta(torch.Tensor):
+    """A simulated host (CPU) tensor: meta storage, so any size costs nothing; see the module docstring."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and kwargs.get("non_blocking"):  # the H2D copy: a new device tensor
+            src = args[0]
+            dtype = next((a for a in (*args[1:], kwargs.get("dtype")) if isinstance(a, torch.dtype)), src.dtype)
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.empty(src.shape, dtype=dtype, device="meta")
+        _HOST.depth = getattr(_HOST, "depth", 0) + 1
+        try:
+            return super().__torch_function__(func, types, args, kwargs)
+        finally:
+            _HOST.depth -= 1
+
+
+def _is_host(t: torch.Tensor | None) -> bool:
+    return isinstance(t, HostMeta) if t is not None else _in_host_op()
+
+
+def _host_empty(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
+    _HOST.depth = getattr(_HOST, "depth", 0) + 1
+    try:
+        return torch.Tensor._make_subclass(HostMeta, torch.empty(numel, dtype=dtype, device="meta"))
+    finally:
+        _HOST.depth -= 1
+
+
+@dataclass
+class Simulation:
+    world: int
+    device_peak: int  # bytes, rank 0, one step
+    host_peak: int  # bytes of this rank's host buffers (offload), at the same step
+    analytic: int  # the plan's per-rank peak
+    analytic_host: int  # the plan's host bytes per rank
+    wall_s: float
+    micro_steps: int
+
+    @property
+    def ratio(self) -> float:
+        return self.device_peak / self.analytic if self.analytic else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"world_size": self.world, "simulated_peak_bytes": self.device_peak,
+                "simulated_host_bytes": self.host_peak, "analytic_peak_bytes": self.analytic,
+                "analytic_host_bytes": self.analytic_host, "ratio": round(self.ratio, 4),
+                "wall_s": round(self.wall_s, 2), "micro_steps": self.micro_steps}
+
+
+@contextlib.contextmanager
+def _simulated_world(world: int, nodes: int) -> Iterator[None]:
+    """Rank 0 of `world` on the fake group (one process: a HashStore, no peers), the simulated host buffers and
+    no seeded init; everything restored after."""
+    import shardtune.parallelize as par
+    import shardtune.train as train
+    from shardtune.data.pipeline import build_data
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(max(1, world // nodes))}
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved = (accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks)
+    os.environ.update(env)
+    accelerator.host_empty = _host_empty
+    par.init_into_shards = lambda *a, **k: None
+    # Rank 0 builds the data alone: the ranks' agreement on the cache runs over a gloo group with real peers.
+    train.prepare_for_ranks = lambda cfg, tok, *, seed, output_dir, rank: build_data(cfg, tok, seed=seed,
+                                                                                    output_dir=output_dir)
+    accelerator.register_simulated_backend()
+    dist.init_process_group(accelerator.SIM_BACKEND, store=dist.HashStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        accelerator.forget_host_group()
+        accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks = saved
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
+    """One training step of the recipe on the simulated GPU; its peak beside the analytic plan's."""
+    from shardtune.config.load import load_recipe
+    from shardtune.memory import CpuMemoryTracker
+    from shardtune.plan.planner import make_plan
+    from shardtune.train import setup, train_step
+
+    overrides = list(overrides or [])
+    plan = make_plan(recipe_ref, overrides)
+    t0 = time.perf_counter()
+    micro = min(2, plan.recipe.train.grad_accum)
+    with tempfile.TemporaryDirectory() as tmp, _simulated_world(plan.setup.world, plan.setup.nodes):
+        recipe = load_recipe(recipe_ref, [*overrides, f"train.grad_accum={micro}", f"train.output_dir={tmp}"])
+        run = setup(recipe, simulated=True)
+        tracker = CpuMemoryTracker(device_type="meta", host=_is_host).start()
+        try:
+            run.model.train()
+            train_step(run, 0, tracker)
+        finally:
+            tracker.stop()
+        device_peak, host_peak = tracker.peak_bytes(), tracker.host_peak_bytes()
+        del run
+    return Simulation(world=plan.setup.world, device_peak=device_peak, host_peak=host_peak,
+                      analytic=plan.estimate.total, analytic_host=plan.estimate.host_per_rank,
+                      wall_s=time.perf_counter() - t0, micro_steps=micro)
+
+
+def summary(sim: Simulation) -> str:
+    gib = 2 ** 30
+    line = (f"simulated step (rank 0 of {sim.world}, {sim.micro_steps} micro-step(s) on the simulated GPU): peak "
+            f"{sim.device_peak / gib:.2f} GiB vs plan {sim.analytic / gib:.2f} GiB (ratio {sim.ratio:.3f})")
+    if sim.host_peak or sim.analytic_host:
+        line += f"; host {sim.host_peak / gib:.2f} GiB vs plan {sim.analytic_host / gib:.2f} GiB"
+    return line + f"; {sim.wall_s:.1f} s"
