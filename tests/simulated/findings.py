@@ -76,6 +76,10 @@ def fused_step_placement(out: str) -> None:
     for p in adapters:
         p.grad = torch.zeros_like(p)
     state_dict.init_optimizer_state(opt)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            step = opt.state[p]["step"]
+            assert step.device == (p.device if group["fused"] else torch.device("cpu")), (group["fused"], step.device)
     opt.step()
     # The rule for a fused group (its kernel cannot run on meta, so the group is marked fused after construction).
     fused = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device=SIM))], lr=1e-3)
