@@ -77,7 +77,7 @@ def init_full(model: nn.Module, *, seed: int, dtype: torch.dtype, device: torch.
             module._parameters[a] = p  # host first: the CPU generator draws the values
         init_module(model, path, module, seed=seed)
         for p_old, p in zip(old, new, strict=True):
-            p.data = p.data.to(device)
+            p = nn.Parameter(p.data.to(device), requires_grad=p.requires_grad)  # noqa: PLW2901 (any device type)
             for m, attr in holders[id(p_old)]:
                 m._parameters[attr] = p
 

@@ -46,16 +46,3 @@ def run_simulated(fn: Callable[..., None], world_size: int, settings: list[dict[
     """`fn(**s)` for each s in `settings` on `world_size` simulated-GPU ranks. `fn` must be importable."""
     with tempfile.TemporaryDirectory() as tmp:
         start_ranks(_worker, (world_size, os.path.join(tmp, "store"), fn, settings or [{}]), world_size)
-
-
-def run_here(fn: Callable[..., Any], *, rank: int = 0, world_size: int = 2) -> Any:
-    """One simulated rank in this process (no peers needed: the fake group never waits); for single checks."""
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        accelerator.register_simulated_backend()
-        dist.init_process_group(accelerator.SIM_BACKEND, store=store, rank=rank, world_size=world_size)
-        try:
-            accelerator.TRACE.clear()
-            return fn()
-        finally:
-            dist.destroy_process_group()

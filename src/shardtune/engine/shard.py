@@ -189,7 +189,11 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     # Replicated params (LoRA adapters) stay nn.Parameters on their modules, fp32, on the compute device.
     replicated = replicated_params(module, policy)
     for _, p in replicated:
-        p.data = p.data.to(device=device, dtype=torch.float32)
+        moved = p.data.to(device=device, dtype=torch.float32)
+        if moved.device.type == p.device.type:
+            p.data = moved
+        else:  # `.data =` cannot change the tensor type (host -> meta, the simulated GPU): swap the contents
+            torch.utils.swap_tensors(p, nn.Parameter(moved, requires_grad=p.requires_grad))
     if policy.cpu_offload:
         ctx.copy_stream = accelerator.new_stream(device, "h2d")  # None on the host: copies run inline
     ctx.reducer = GradReducer(shard_group=shard_group, replicate_group=replicate_group,
