@@ -51,6 +51,20 @@ def check_launch(recipe: Recipe) -> int:
     return nproc
 
 
+def worker_threads(recipe: Recipe, nproc: int) -> int | None:
+    """OMP_NUM_THREADS for each worker, or None to leave torchrun's choice (1 per worker when nproc > 1).
+
+    `launch.threads_per_worker` wins on every device. Default: on CPU the cores shared out (oversubscription halves
+    speed); on a GPU with engine.cpu_offload the same, because the host then runs AdamW, the gradient adds and
+    norms, which torchrun's one thread per worker would serialise; a GPU run without offload does little host math
+    and keeps torchrun's default."""
+    if recipe.launch.threads_per_worker:
+        return recipe.launch.threads_per_worker
+    if recipe.launch.device_type() == "cpu" or recipe.engine.cpu_offload:
+        return max(1, (os.cpu_count() or 2) // nproc)
+    return None
+
+
 def torchrun_command(recipe: Recipe, recipe_file: Path, nproc: int) -> list[str]:
     launch = recipe.launch
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -115,9 +129,9 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False) -> i
     (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
     (run_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
     env = dict(os.environ)
-    if recipe.launch.device_type() == "cpu":
-        threads = recipe.launch.threads_per_worker or max(1, (os.cpu_count() or 2) // nproc)
-        env["OMP_NUM_THREADS"] = str(threads)  # one worker per core share: oversubscription halves speed
+    threads = worker_threads(recipe, nproc)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     if recipe.launch.max_restarts > 0:
         # torchrun's workers share the agent's store by default, and that store outlives a restart: the new
         # workers would read the dead attempt's gloo/NCCL addresses under the same keys and fail with "Connection

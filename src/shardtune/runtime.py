@@ -36,7 +36,7 @@ def init_runtime(launch: LaunchConfig, *, simulated: bool = False) -> Runtime:
         device = accelerator.SIMULATED
     else:
         device = accelerator.compute_device(launch.device_type(), local_rank)
-    if device.type == "cpu" and launch.threads_per_worker:
+    if launch.threads_per_worker:  # every device: a GPU run's host work (offload's AdamW, adds, norms) uses them
         torch.set_num_threads(launch.threads_per_worker)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -220,8 +220,12 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     else:
         held_fwd = gathered(root) + (unit_g[-1] if unit_g else 0)
     offload_copy = 0
-    if s.offload and not s.device_is_cpu:  # H2D copy of the shard before its all-gather (current + prefetched)
-        offload_copy = 2 * max((f.shard_bytes() for u in units for f in u.flats), default=0)
+    if s.offload and not s.device_is_cpu:
+        # H2D copies of a decoder unit's shards before its all-gather (current + prefetched). Not the root's: it is
+        # gathered once, before unit 0, and stays gathered until the end of backward (held_bwd), so its copy is
+        # never alive at a peak. Counting the root's (embeddings + head, the largest shard) over-predicted the
+        # 70B offload recipe by 7 % against `plan --simulate` (bench/RESULTS.md).
+        offload_copy = 2 * max((f.shard_bytes() for u in blocks for f in u.flats), default=0)
 
     # Backward of a unit: its params' grads (compute dtype) + their flat concatenation, fp32 cast for the reduce,
     # the sharded output; the head's weight grad is held until the root reduces.
