@@ -97,12 +97,21 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
          png: Path | None = typer.Option(None, "--png", help="Write a stacked-bar chart (per phase) to this PNG "
                                          "(default: no chart)."),
          top: int = typer.Option(10, "--top", min=1, help="With --fit: how many candidates to show."),
+         simulate: bool = typer.Option(False, "--simulate", help="Also run one real training step at full size "
+                                       "on the simulated GPU (meta device, fake process group; rank 0 of the "
+                                       "world) and print its measured peak beside the plan's (default: off)."),
          ) -> None:
     import json
 
     from shardtune.plan import make_plan
     from shardtune.plan.report import print_plan, write_png
 
+    if simulate:
+        from shardtune.plan.simulate import simulate as run_simulation, summary
+
+        sim = run_simulation(recipe, overrides or [])
+        typer.echo(json.dumps(sim.to_json(), indent=2) if json_out else summary(sim))
+        raise typer.Exit(0)
     p = make_plan(recipe, overrides or [])
     if png is not None:
         write_png(p, png)

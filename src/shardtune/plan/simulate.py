@@ -14,6 +14,7 @@ How, and what it leaves out:
   - Offloaded host buffers (`accelerator.host_empty`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
     cannot be allocated here. Ops on them stay host (counted apart, as host bytes); their non-blocking `.to()` (the
     engine's H2D copy, flat_param.shard_on_device) makes a new device tensor, as the copy on a GPU does.
+  - SDPA takes the fused kernel's path (what it saves on a GPU), not the math path torch picks on meta.
   - Values are not computed (meta): the loss and norms read as 0. Packed rows' position ids read as zeros.
 """
 from __future__ import annotations
@@ -56,6 +57,19 @@ class HostMeta(torch.Tensor):
             return super().__torch_function__(func, types, args, kwargs)
         finally:
             _HOST.depth -= 1
+
+
+def _flash_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA as a GPU runs it: a fused kernel that saves q, k, v, the output and the log-sum-exp. On meta, torch picks
+    the math path, which saves the b·heads·s² attention weights of every layer (64 GiB at 8B, 4k tokens)."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    out, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal and attn_mask is None, attn_mask=attn_mask, scale=scale)
+    return out
 
 
 def _is_host(t: torch.Tensor | None) -> bool:
@@ -101,8 +115,10 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(max(1, world // nodes))}
     saved_env = {k: os.environ.get(k) for k in env}
-    saved = (accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks)
+    F = torch.nn.functional
+    saved = (accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks, F.scaled_dot_product_attention)
     os.environ.update(env)
+    F.scaled_dot_product_attention = _flash_sdpa
     accelerator.host_empty = _host_empty
     par.init_into_shards = lambda *a, **k: None
     # Rank 0 builds the data alone: the ranks' agreement on the cache runs over a gloo group with real peers.
@@ -115,7 +131,8 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     finally:
         dist.destroy_process_group()
         accelerator.forget_host_group()
-        accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks = saved
+        (accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks,
+         F.scaled_dot_product_attention) = saved
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
