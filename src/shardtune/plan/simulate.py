@@ -9,6 +9,7 @@ How, and what it leaves out:
   - Rank 0 builds the data alone (data/ranks.py's agreement needs real peers on a gloo group).
   - The seeded init is skipped (parallelize's `init_into_shards`): it draws every module on the host, minutes at
     70B, and a meta shard holds no values anyway.
+  - AdamW's moments are created before the step (as a resume does): the plan's peak is a later step's, with them.
   - The step runs min(grad_accum, 2) micro-steps: the plan's peak depends on grad_accum only through "earlier
     micro-steps' gradients exist" (> 1), which the second micro-step already has.
   - Offloaded host buffers (`accelerator.host_empty`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
@@ -143,6 +144,7 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
 def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     """One training step of the recipe on the simulated GPU; its peak beside the analytic plan's."""
     from shardtune.config.load import load_recipe
+    from shardtune.engine.state_dict import init_optimizer_state
     from shardtune.memory import CpuMemoryTracker
     from shardtune.plan.planner import make_plan
     from shardtune.train import setup, train_step
@@ -157,6 +159,7 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     with tempfile.TemporaryDirectory() as tmp, _simulated_world(world, nodes):
         recipe = load_recipe(recipe_ref, [*overrides, f"train.grad_accum={micro}", f"train.output_dir={tmp}"])
         run = setup(recipe, simulated=True)
+        init_optimizer_state(run.optimizer)  # the steady state: AdamW's moments exist from the first step on
         # No per-op recheck of every big storage (4x the step's time at 8B): the engine reports each in-place resize
         # (memory.storage_resized / free_storage). FSDP2 (engine.backend=torch) resizes without telling.
         tracker = CpuMemoryTracker(device_type="meta", host=_is_host, recheck_min_bytes=sys.maxsize).start()
