@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shardtune import accelerator
@@ -23,7 +24,7 @@ from shardtune.export import param_shapes, save_final, write_export_info
 from shardtune.metrics import MetricsLog
 from shardtune.model import build_model, build_tokenizer
 from shardtune.parallelize import parallelize
-from shardtune.runtime import Runtime, all_reduce_max, all_reduce_sum, init_runtime
+from shardtune.runtime import Runtime, all_reduce_max, init_runtime
 from shardtune.schedule import build_scheduler
 from shardtune.signals import EXIT_DIVERGED, EXIT_PREEMPTED, StopRequest
 
@@ -143,7 +144,9 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     if tracker is not None:
         tracker.reset_peak()
     micro_batches, num_targets = run.batches.step(step, rt.rank)
-    loss_sum = 0.0
+    # Summed on the device (float64: the same sum a Python float gave): a host read per micro-step would stop the
+    # CPU from running ahead into the next micro-step's gathers.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
     for i, mb in enumerate(micro_batches):
         mb = mb.to(rt.device)
         # Reduce gradients on every micro-step, or only on the last one (unsharded grads kept meanwhile).
@@ -151,13 +154,17 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
         # Divide by the global target count: the sum over ranks and micro-steps is the global mean loss.
         loss = token_loss_sum(run.model, mb.input_ids, mb.labels, mb.position_ids) / num_targets
         loss.backward()
-        loss_sum += accelerator.item(loss)  # a sync point, once per micro-step
-    grad_norm = accelerator.item(run.sharded.clip_grad_norm_(cfg.max_grad_norm))  # global: identical everywhere
-    (loss_global,) = all_reduce_sum([loss_sum], rt.device)
+        loss_sum += loss.detach().double()
+    norm = run.sharded.clip_grad_norm_(cfg.max_grad_norm)  # global: identical on every rank
+    dist.all_reduce(loss_sum)
+    # The one host read of the step: the skip decision needs both values before the optimizer steps.
+    both = torch.stack([loss_sum, norm.detach().to(loss_sum.device, torch.float64)])
+    loss_global, grad_norm = accelerator.to_host(both).tolist()
     if math.isfinite(loss_global) and math.isfinite(grad_norm):  # every rank takes the same branch
         run.optimizer.step()
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
+    accelerator.synchronize(rt.device)  # the step's device work is done: step_time (and tokens/s) measure it
     step_time = time.perf_counter() - t0
     tokens = run.batches.global_size * run.recipe.data.seq_len
     record = {"step": step + 1, "loss": loss_global, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
