@@ -107,7 +107,8 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
     from shardtune.plan.report import print_plan, write_png
 
     if simulate:
-        from shardtune.plan.simulate import simulate as run_simulation, summary
+        from shardtune.plan.simulate import simulate as run_simulation
+        from shardtune.plan.simulate import summary
 
         sim = run_simulation(recipe, overrides or [])
         typer.echo(json.dumps(sim.to_json(), indent=2) if json_out else summary(sim))
