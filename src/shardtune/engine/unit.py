@@ -223,9 +223,9 @@ class Unit:
         self._pre_backward_done = True
         self.wait()
         prev = ctx.units[self.index - 1] if self.index >= 1 else None
-        # Memory schedule of the backward (trainable units; frozen LoRA bases reduce nothing): at most one unit
-        # beyond the current one is alive, either the next unit's gradient whose reduction is in flight or the
-        # previous unit gathered ahead. Holding both would put the peak one unit above a synchronous reduction's.
+        # Staggered memory schedule of the backward (trainable units; frozen LoRA bases reduce nothing): at most
+        # one unit beyond the current one is alive, either the next unit's gradient whose reduction is in flight or
+        # the previous unit gathered ahead. Overlap holds both: one unit more, more communication hidden.
         if ctx.backward_schedule is BackwardSchedule.OVERLAP:
             # FSDP2's: the previous unit's gather goes out now, under this unit's whole backward; the oldest
             # reduction is waited for at the next post-backward (reduce.py make_room), none in between.
