@@ -8,14 +8,20 @@ Three kinds of compute device:
          collectives without moving anything and rejects a CPU tensor exactly as NCCL does ("No backend type
          associated with device type cpu"); streams and events are stand-ins that record, in order, what was issued
          on which stream and what waited on what (`TRACE`). A meta tensor holds no values: a host read of one
-         (`to_host`, `item`) gives zeros.
-Nothing else in src/ asks `device.type`: it asks this module. The CUDA path below is exactly torch.cuda.
+         (`to_host`, `item`, and under simulation `.item()` / `bool()` too) gives zeros. Host buffers cannot be
+         pinned on a CPU build: under simulation the ones `host_empty` makes report `is_pinned()` True, as on
+         CUDA (what ShardedTensor checks). Both stand-ins are installed by `register_simulated_backend`, never on
+         a real run.
+The engine, the runtime, the checkpoint code and the trainer ask this module, not `device.type` (left outside:
+the launcher's GPU detection, the CUDA allocator's memory tracker, the CUDA RNG state). The CUDA path below is
+exactly torch.cuda; the simulation code is the stand-ins at the end of each section.
 
-API (all keyword-free on the device; `device` is the compute device of the run):
+API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
   is_accelerator(device)             cuda or simulated: streams, pinned host buffers, device-resident collectives
   is_simulated(device)
   backend(device)                    the default process group's backend: nccl | simgpu | gloo
   init_process_group(device, *, rank, world_size, timeout, store=None)   default group + the host group
+  register_simulated_backend()       the fake "simgpu" backend for meta (and the simulation's stand-ins)
   host_group()                       a gloo group over all ranks for host-side coordination (checkpoint agreement,
                                      DCP planning, barriers); the default group itself when that is gloo
   compute_device(device_type, local_rank)  the torch.device a worker computes on (sets the CUDA device)

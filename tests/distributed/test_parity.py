@@ -5,6 +5,8 @@ global batch, with torch AdamW on the same decay/no-decay groups and torch's cli
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from tests.distributed.common import MODELS, adamw, build_model, policy_for, train_step
@@ -12,6 +14,7 @@ from tests.distributed.harness import run_distributed
 
 from shardtune.engine import shard as shardtune_backend
 from shardtune.engine import torch_backend
+from shardtune.engine.api import BackwardSchedule
 
 NUM_STEPS = 20
 LOSS_RTOL = 1e-5
@@ -64,7 +67,8 @@ def reference_run(model_name: str, accum: int) -> dict:
 
 
 def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend: str = "shardtune",
-            checkpointing: bool = False, generic: bool = False, max_in_flight: int = 1) -> None:
+            checkpointing: bool = False, generic: bool = False, max_in_flight: int = 1,
+            schedule: str = "staggered") -> None:
     """`generic`: reduce-scatter with `reduce_scatter_single`, the branch NCCL runs, instead of our gloo ring.
     `max_in_flight`: how many async reductions may be pending at once (reduce.py)."""
     ref = reference_run(model_name, accum)
@@ -73,6 +77,7 @@ def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = policy_for(model, strategy, world=dist.get_world_size())
+    policy = dataclasses.replace(policy, backward_schedule=BackwardSchedule(schedule))  # overlap: the GPU default
     lib = shardtune_backend if backend == "shardtune" else torch_backend
     sharded = lib.shard_model(model, policy, device=torch.device("cpu"))
     opt = adamw(sharded.optimizer_param_groups(0.1))
@@ -107,14 +112,17 @@ def test_parity_2_ranks() -> None:
     run_distributed(_parity, 2, _settings(["full_shard"], ACCUM) + _settings(["shard_grad_op", "no_shard"], ACCUM[:1])
                     + [dict(model_name="tiny-llama", strategy="full_shard", **ACCUM[0], checkpointing=True)]
                     # the collective NCCL runs, on gloo, with two reductions in flight
-                    + [dict(model_name="tiny-llama", strategy="full_shard", **ACCUM[1], generic=True, max_in_flight=2)])
+                    + [dict(model_name="tiny-llama", strategy="full_shard", **ACCUM[1], generic=True, max_in_flight=2)]
+                    # FSDP2's backward schedule (engine.backward_schedule=overlap, the default on GPUs)
+                    + [dict(model_name="tiny-llama", strategy="full_shard", **a, schedule="overlap") for a in ACCUM[1:]])
 
 
 def test_parity_4_ranks() -> None:
     run_distributed(_parity, 4, _settings(["full_shard", "hybrid_shard"], ACCUM[:1])
                     + [dict(model_name="tiny-llama", strategy=s, **ACCUM[0]) for s in ["shard_grad_op", "no_shard"]]
                     + [dict(model_name="tiny-llama", strategy="hybrid_shard", **ACCUM[2]),
-                       dict(model_name="tiny-llama", strategy="hybrid_shard", **ACCUM[1], generic=True)])
+                       dict(model_name="tiny-llama", strategy="hybrid_shard", **ACCUM[1], generic=True),
+                       dict(model_name="tiny-llama", strategy="hybrid_shard", **ACCUM[1], schedule="overlap")])
 
 
 _BF16_LOSSES: dict[str, list[float]] = {}

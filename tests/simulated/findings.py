@@ -91,6 +91,20 @@ def fused_step_placement(out: str) -> None:
     assert fused.state[p]["step"].device == p.device
 
 
+def host_tensor_refused(out: str) -> None:
+    """What makes every simulated test a device check: the default group refuses a host tensor as NCCL does,
+    and the host group takes it."""
+    try:
+        dist.all_reduce(torch.zeros(1))
+    except RuntimeError as e:
+        assert "No backend type associated with device type cpu" in str(e)
+    else:
+        raise AssertionError("the simulated GPU's group took a host tensor")
+    t = torch.ones(1)
+    dist.all_reduce(t, group=accelerator.host_group())
+    assert t.item() == dist.get_world_size()
+
+
 def run_findings(base: str, names: list[str]) -> None:
     for name in names:
         out = str(Path(base) / name)

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from shardtune import accelerator
 from shardtune import train as T
 from shardtune.config.load import load_recipe
+from shardtune.runtime import all_reduce_max
+from shardtune.signals import StopRequest
 
 BASE = ("data.num_samples=48", "data.seq_len=32", "data.eval_fraction=0.1", "train.micro_batch_size=1",
         "train.max_steps=2", "train.save_every=0", "train.demo_eval=false", "train.keep_last=0")
@@ -32,7 +34,8 @@ SETTINGS = {
 
 
 def build(out: str, overrides: tuple[str, ...]) -> T.Run:
-    recipe = load_recipe("tiny-cpu", [f"train.output_dir={out}", *BASE, *overrides])
+    cache = Path(out).parent / "data-cache"  # one tokenized cache for every setting of a start
+    recipe = load_recipe("tiny-cpu", [f"train.output_dir={out}", f"data.cache_dir={cache}", *BASE, *overrides])
     return T.setup(recipe, simulated=True)
 
 
@@ -68,6 +71,9 @@ def train_save_resume(name: str, out: str) -> None:
     states_on_expected_devices(run)
     record = T.train_step(run, 1, None)
     assert record["step"] == 2
+    # The other collectives of a training loop, on the device: the stop agreement and the memory maximum.
+    assert not StopRequest().agreed(run.rt.device)
+    assert all_reduce_max(1.0, run.rt.device) == 0.0  # a host read of the simulated GPU gives zeros
     dist.barrier(group=accelerator.host_group())
 
 

@@ -25,24 +25,32 @@ def _done(value: object) -> Future:
     return f
 
 
-class NullWriter(StorageWriter):
+class _AtPath:
+    """The parts of DCP's storage interface a storage without bytes takes as they come."""
+
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__()
         self.path = Path(path)
-        self.num_items = 0  # write items this rank was planned to write (tests: planning really ran)
+        self.num_items = 0  # items planned for this rank
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+    def prepare_local_plan(self, plan):
         return plan
 
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+    def prepare_global_plan(self, plans):
         return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+
+class NullWriter(_AtPath, StorageWriter):
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        pass
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         self.num_items += len(plan.items)
@@ -53,33 +61,14 @@ class NullWriter(StorageWriter):
         with open(self.path / METADATA, "wb") as f:
             pickle.dump(metadata, f)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
 
-
-class NullReader(StorageReader):
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self.num_items = 0  # read items planned for this rank
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
-
+class NullReader(_AtPath, StorageReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         with open(self.path / METADATA, "rb") as f:
             return pickle.load(f)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         pass
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Every planned tensor is resolved and committed in place, as a real read would; no bytes move."""
@@ -89,10 +78,6 @@ class NullReader(StorageReader):
                 continue  # no non-tensor values in our state
             planner.commit_tensor(req, planner.resolve_tensor(req).detach())
         return _done(None)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
 
 
 class NullLoadPlanner(DefaultLoadPlanner):

@@ -68,9 +68,14 @@ class EngineConfig:
     cpu_offload: bool = False  # sharded params, grads and optimizer state live on the host
     prefetch: bool = True  # overlap the next unit's all-gather with this unit's compute
     sync_every_microstep: bool = True  # false: reduce grads only on the last micro-step (more memory, less traffic)
+    # overlap (FSDP2's: the previous unit gathered at once, +1 unit of backward memory) | staggered (a reduction
+    # then the gather, each over half a unit: lower peak) | auto = overlap on a GPU, staggered on CPU
+    backward_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")
+        _check(self.backward_schedule in ("auto", "overlap", "staggered"), "engine.backward_schedule",
+               f"must be auto, overlap or staggered, got {self.backward_schedule!r}")
         _check(self.strategy in ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard"), "engine.strategy",
                f"must be full_shard, shard_grad_op, no_shard or hybrid_shard, got {self.strategy!r}")
         _check(self.mixed_precision in ("fp32", "bf16"), "engine.mixed_precision",

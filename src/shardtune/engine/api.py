@@ -25,6 +25,13 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD = "hybrid_shard"  # full_shard inside groups of hybrid_shard_size, replicate across groups
 
 
+class BackwardSchedule(enum.Enum):
+    """When the backward gathers the previous unit ahead and waits for the next unit's reduction (engine/unit.py)."""
+
+    OVERLAP = "overlap"  # FSDP2's: gather at pre-backward, the oldest reduction waited at the next post-backward
+    STAGGERED = "staggered"  # the reduction over the first half of a unit, then the gather: one unit less memory
+
+
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
     param_dtype: torch.dtype = torch.float32  # compute and all-gather dtype (master weights stay fp32)
@@ -44,6 +51,7 @@ class ShardingPolicy:
     mixed_precision: MixedPrecision = MixedPrecision()
     cpu_offload: bool = False  # sharded params, grads and optimizer state on the host
     prefetch: bool = True  # overlap the next unit's all-gather with the current unit's compute
+    backward_schedule: BackwardSchedule = BackwardSchedule.STAGGERED
     sync_every_microstep: bool = True  # reduce-scatter every micro-step (False: only when sync is re-enabled)
     hybrid_shard_size: int | None = None  # ranks per shard group under HYBRID_SHARD
     no_weight_decay: Callable[[str, nn.Parameter], bool] = default_no_weight_decay

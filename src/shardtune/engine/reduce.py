@@ -5,8 +5,11 @@ Pipeline of one flat gradient (1D, compute dtype, numel P, handed over by the un
   issue   cast to reduce_dtype on the compute stream; CUDA: the reduce stream waits on an event recorded on the
           compute stream after the gradient was produced, and the collective is issued from it (async_op=True).
           gloo: the same call returns a work handle whose bytes move on gloo's threads.
-  promote hybrid_shard: once the reduce-scatter is done, the replica all-reduce of its output is issued (CUDA: a
-          stream wait, the CPU goes on; gloo: the CPU waits for the reduce-scatter).
+  promote hybrid_shard: the replica all-reduce of the reduce-scatter's output. On an accelerator it is issued at
+          once, on its own stream (which waits for the reduce-scatter), and the compute stream waits for it only at
+          the end of backward (`finish_backward`, FSDP2's finalize_backward): inter-node traffic never sits in
+          front of compute. On gloo it is issued at the next `make_room` (issuing it waits for the reduce-scatter
+          on the CPU) and waited for when the reduction is retired.
   retire  wait for the last collective, then add the output into the sharded gradient (device), or copy it
           non-blocking into a pinned host buffer and record an event (CPU offload; the host add happens in `wait`).
 At most `max_in_flight` reductions are issued and not retired: each keeps its gradient (P, reduce dtype) and its
@@ -61,6 +64,10 @@ class GradReducer:
         # False: the collective NCCL runs (reduce_scatter_single) even on gloo, so CPU tests cover it.
         self.gloo_ring = True
         self.stream = accelerator.new_stream(device, "reduce")  # separate "thread" for reductions (None on cpu)
+        # hybrid_shard on an accelerator: the replica all-reduces' own stream (None on cpu, or nothing to replicate)
+        self.replica_stream = (accelerator.new_stream(device, "replica")
+                               if replicate_group is not None and shard_group is not None else None)
+        self._replicas: list[_Pending] = []  # all-reduces in flight, waited for at the end of backward
         self._in_flight: deque[_Pending] = deque()
         self._host: list[tuple[FlatParam, torch.Tensor, Any]] = []  # offload: D2H copies and their events
         self.unsharded: dict[FlatParam, torch.Tensor] = {}  # no-sync accumulation: 1D, fp32, numel P per flat
@@ -103,6 +110,8 @@ class GradReducer:
             else:  # no_shard: the whole gradient is this rank's "shard"; sum it across replicas
                 work = all_reduce_(full, self.replicate_group, self.counter, async_op=True, label=flat.label)
                 item = _Pending(flat, None, full, work, False)
+        if self.replica_stream is not None:
+            self._issue_all_reduce(item)  # at once, on its own stream (hybrid on an accelerator)
         self._in_flight.append(item)
 
     @property
@@ -127,14 +136,21 @@ class GradReducer:
     def _issue_all_reduce(self, item: _Pending) -> None:
         if not item.all_reduce_left:
             return
-        with self._on_stream():
+        with accelerator.use_stream(self.replica_stream or self.stream):
             if item.work is not None:
-                item.work.wait()  # CUDA: the reduce stream waits for the reduce-scatter, the CPU goes on; gloo: blocks
+                item.work.wait()  # CUDA: the stream waits for the reduce-scatter, the CPU goes on; gloo: blocks
             item.work = all_reduce_(item.out, self.replicate_group, self.counter, async_op=True, label=item.flat.label)
         item.all_reduce_left = False
 
     def _retire(self, item: _Pending) -> None:
         self._issue_all_reduce(item)
+        if not self.offload and self.replica_stream is not None:
+            # The reduce-scatter's input is done with (the replica stream waited for it): free it once that stream
+            # is past this point. The output waits, with its all-reduce, for `finish_backward`.
+            accelerator.record_stream(item.full, self.replica_stream)
+            item.full = None
+            self._replicas.append(item)
+            return
         if not self.offload:
             if item.work is not None:
                 item.work.wait()  # CUDA: the compute stream waits for the collective; then it adds the result
@@ -166,10 +182,19 @@ class GradReducer:
         while self._in_flight:
             self._retire(self._in_flight.popleft())
 
+    def finish_backward(self) -> None:
+        """End of backward: every reduction retired, and (hybrid on an accelerator) the compute stream waits for
+        the replica all-reduces, then adds their outputs into the shards."""
+        self.drain()
+        for item in self._replicas:
+            item.work.wait()
+            item.flat.accumulate_shard_grad(item.out)
+        self._replicas.clear()
+
     def wait(self) -> None:
         """Before the optimizer reads gradients (clipping, step, checkpoint): every reduced gradient is in its
         shard. Offload: the CPU blocks on exactly the D2H copies' events, then adds on the host."""
-        self.drain()
+        self.finish_backward()
         for flat, host, done in self._host:
             if done is not None:
                 done.synchronize()
@@ -179,10 +204,11 @@ class GradReducer:
     def abandon(self) -> None:
         """A backward raised: wait for what was issued (the buffers must outlive the collectives, and every rank
         issued the same ones), then drop it all, unsharded accumulators included: the step's gradients are lost."""
-        for item in self._in_flight:
+        for item in [*self._in_flight, *self._replicas]:
             if item.work is not None:
                 item.work.wait()
         self._in_flight.clear()
+        self._replicas.clear()
         for _, _, done in self._host:
             if done is not None:
                 done.synchronize()
@@ -190,4 +216,4 @@ class GradReducer:
         self.unsharded.clear()
 
     def pending(self) -> int:
-        return len(self._in_flight) + len(self._host)
+        return len(self._in_flight) + len(self._host) + len(self._replicas)

@@ -181,7 +181,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     shard_size = group_size(shard_group)
     shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
     ctx = EngineContext(strategy=policy.strategy, shard_group=shard_group, replicate_group=replicate_group,
-                        reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch, device=device)
+                        reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch, device=device,
+                        backward_schedule=policy.backward_schedule)
     for m in module.modules():  # buffers (e.g. rotary inv_freq) are not sharded: move them as they are
         for k, b in m._buffers.items():
             if b is not None:

@@ -59,7 +59,7 @@ def _end_backward(ctx: EngineContext) -> Callable[[], None]:
         sync = ctx.step.requires_grad_sync
         if ctx.replicated is not None and sync:
             ctx.replicated.start_reduce()  # adapters: one bucketed all-reduce, after every unit's reduce-scatter
-        ctx.reducer.drain()
+        ctx.reducer.finish_backward()
         if ctx.replicated is not None and sync:
             ctx.replicated.finish_reduce()
         for u in [*ctx.units, ctx.root]:

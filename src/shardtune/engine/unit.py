@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardtune import accelerator
-from shardtune.engine.api import ShardingStrategy
+from shardtune.engine.api import BackwardSchedule, ShardingStrategy
 from shardtune.engine.collectives import CommCounter, all_gather_into
 from shardtune.engine.flat_param import FlatParam
 from shardtune.engine.reduce import GradReducer
@@ -61,6 +61,7 @@ class EngineContext:
     replicate_group: ProcessGroup | None  # hybrid_shard / no_shard: grads all-reduced across it
     reduce_dtype: torch.dtype
     prefetch: bool
+    backward_schedule: BackwardSchedule = BackwardSchedule.STAGGERED
     counter: CommCounter = field(default_factory=CommCounter)
     units: list[Unit] = field(default_factory=list)  # non-root units, forward order
     root: Unit | None = None
@@ -222,9 +223,15 @@ class Unit:
         self._pre_backward_done = True
         self.wait()
         prev = ctx.units[self.index - 1] if self.index >= 1 else None
-        # Memory schedule of the backward (trainable units; frozen LoRA bases reduce nothing): at most one unit
-        # beyond the current one is alive, either the next unit's gradient whose reduction is in flight or the
-        # previous unit gathered ahead. Holding both would put the peak one unit above a synchronous reduction's.
+        # Staggered memory schedule of the backward (trainable units; frozen LoRA bases reduce nothing): at most
+        # one unit beyond the current one is alive, either the next unit's gradient whose reduction is in flight or
+        # the previous unit gathered ahead. Overlap holds both: one unit more, more communication hidden.
+        if ctx.backward_schedule is BackwardSchedule.OVERLAP:
+            # FSDP2's: the previous unit's gather goes out now, under this unit's whole backward; the oldest
+            # reduction is waited for at the next post-backward (reduce.py make_room), none in between.
+            if prev is not None and ctx.prefetch:
+                prev.unshard(async_op=True)
+            return
         if prev is None:
             if self._param_grads_left:
                 # The first unit runs last, on top of every later unit's sharded gradient (the deepest point of
@@ -255,9 +262,10 @@ class Unit:
             prev.unshard(async_op=True)
         if self._param_grads_left == 0:
             self.reshard()
-            # The flat gradient's cat comes next: retire the previous unit's reduction first (it overlapped this
-            # unit's whole backward), so the cat never holds it too: the backward peak does not grow.
-            self.ctx.reducer.make_room()
+            if self.ctx.backward_schedule is BackwardSchedule.STAGGERED:
+                # The flat gradient's cat comes next: retire the previous unit's reduction first (it overlapped
+                # this unit's whole backward), so the cat never holds it too: the backward peak does not grow.
+                self.ctx.reducer.make_room()
 
     def _on_inputs_grad(self, _: Any) -> None:
         """Every path from the unit's outputs to its inputs has run: no frozen weight is needed any more."""
@@ -274,7 +282,7 @@ class Unit:
             # embeddings + head for the last one).
             self.reshard()
         self.ctx.reducer.reduce(self.flats[i], grad, sync=self.ctx.step.requires_grad_sync)
-        if self.index == 0 and self._grad_numel:
+        if self.index == 0 and self._grad_numel and self.ctx.backward_schedule is BackwardSchedule.STAGGERED:
             # The first unit's reduction would overlap the root's embedding backward, whose gradient is the largest
             # of the step: retired now instead (same reason as in _pre_backward).
             self.ctx.reducer.drain()

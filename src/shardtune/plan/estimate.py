@@ -65,6 +65,7 @@ class Setup:
     packing: bool
     device_is_cpu: bool
     nf4: bool = False  # lora.quantize_base=nf4: the units' frozen Linear weights stored and gathered as NF4 bytes
+    backward_schedule: str = "staggered"  # overlap | staggered (engine/unit.py; `auto` resolved in from_recipe)
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -74,7 +75,9 @@ class Setup:
                    checkpointing=e.activation_checkpointing, offload=e.cpu_offload, lora=r.lora.enabled,
                    micro_batch=r.train.micro_batch_size, seq_len=r.data.seq_len, grad_accum=r.train.grad_accum,
                    sync_every_microstep=e.sync_every_microstep, prefetch=e.prefetch, packing=r.data.packing,
-                   device_is_cpu=device_is_cpu, nf4=r.lora.enabled and r.lora.quantize_base == "nf4")
+                   device_is_cpu=device_is_cpu, nf4=r.lora.enabled and r.lora.quantize_base == "nf4",
+                   backward_schedule=e.backward_schedule if e.backward_schedule != "auto"
+                   else ("staggered" if device_is_cpu else "overlap"))
 
     @property
     def shard_size(self) -> int:
@@ -268,16 +271,20 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     bucket = 4 * lora_p if s.world > 1 else 0
     unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
 
+    overlap = s.backward_schedule == "overlap"
+
     def unit_backward(i: int) -> dict[str, int]:
         own = saved[i] + (per_layer if ckpt[i] else 0)
-        # engine/unit.py's schedule: unit 1's reduction is retired before unit 0's backward; in any other unit's
-        # MLP backward (its first half) the next unit's reduction is in flight and the previous unit is gathered
-        # ahead only after it is retired (no reduction in flight: at once).
-        flight = in_flight(i + 1) if i else 0
+        # engine/unit.py's schedules. Staggered: unit 1's reduction is retired before unit 0's backward; in any
+        # other unit's MLP backward (its first half) the next unit's reduction is in flight and the previous unit
+        # is gathered ahead only after it is retired (no reduction in flight: at once). Overlap (FSDP2's): the next
+        # unit's reduction is in flight and the previous unit gathered during the whole backward of every unit.
+        flight = in_flight(i + 1) if i or overlap else 0
         if s.strategy in ("shard_grad_op", "no_shard"):
             held = held_fwd
         else:
-            held = gathered(root) + unit_g[i] + (unit_g[i - 1] if i and s.prefetch and not flight else 0)
+            ahead = i and s.prefetch and (overlap or not flight)
+            held = gathered(root) + unit_g[i] + (unit_g[i - 1] if ahead else 0)
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
                 + flight,
                 "gathered": held + offload_copy + nf4_extra,
@@ -304,7 +311,9 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                              default={**static, "grads": 0, "gathered": 0, "activations": 0}),
         # The engine frees a unit's gathered buffer at its last parameter grad, before autograd cats the flat
         # grad (engine/unit.py _on_param_grad): the cat and the reduce run without it (unless aliased at W=1).
-        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat + bucket, **after_last_grad},
+        # Overlap: every other unit's gradient cat runs with the next unit's reduction still in flight.
+        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat + bucket
+                         + (max(map(in_flight, range(1, L)), default=0) if overlap else 0), **after_last_grad},
         "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red + bucket, **after_last_grad},
         "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat,
                          "gathered": (gathered(root) if aliased_units else 0) + offload_copy, "activations": 0},

@@ -16,6 +16,9 @@ Step-time model (an estimate for ranking, not a benchmark):
             indices, looked-up and scaled halves, the stacked weight, written and read), in forward, in backward and
             in the checkpointed recompute, at the device's memory bandwidth; it does not overlap the matmuls.
   step      max(compute, comm) + offload with prefetch on (comm overlaps compute), compute + comm + offload off.
+            engine.backward_schedule=staggered adds what its backward exposes: each unit's reduction and gather
+            overlap half of the unit's backward each (overlap: both share the whole of it), and the first unit's
+            reduction runs alone.
 """
 from __future__ import annotations
 
@@ -72,9 +75,23 @@ def step_time(plan: Plan) -> dict[str, float]:
     passes = 3 if s.checkpointing is not False else 2  # forward, backward (input grad), recompute
     dequant = passes * s.grad_accum * nf4_weights * 2 * (8 + 3 * c) / (hw.memory_gbps * 1e9)
     compute += dequant
-    total = (max(compute, comm) if s.prefetch else compute + comm) + offload
+    total = (max(compute, comm) + _staggered_exposure(s, e, compute, comm) if s.prefetch
+             else compute + comm) + offload
     return {"compute_s": compute, "comm_s": comm, "offload_s": offload, "dequant_s": dequant, "step_s": total,
             "tokens_per_s": tokens * s.world / total if total else 0.0}
+
+
+def _staggered_exposure(s, e, compute: float, comm: float) -> float:
+    """Backward communication the staggered schedule leaves exposed beyond the overlap schedule's (seconds per
+    step). Per unit: its backward compute (2/3 of the step's), its reduction and (full/hybrid sharding) its
+    re-gather, each ~1/3 of the unit's share of `comm` (one forward gather, one backward gather, one reduction)."""
+    units = len(e.units)
+    if s.backward_schedule != "staggered" or not units or s.strategy in ("shard_grad_op", "no_shard"):
+        return 0.0
+    half = compute * 2 / 3 / units / 2
+    t = comm / units / 3
+    per_unit = 2 * max(0.0, t - half) - max(0.0, 2 * t - 2 * half)
+    return units * per_unit + t
 
 
 def _world_variant(plan: Plan, world: int) -> Plan:
@@ -144,6 +161,8 @@ class Candidate:
             parts.append(f"lora.enabled={'true' if s.lora else 'false'}")
         if s.nf4 != (self.plan.recipe.lora.quantize_base == "nf4"):
             parts.append(f"lora.quantize_base={'nf4' if s.nf4 else 'null'}")
+        if not s.device_is_cpu:
+            parts.append(f"engine.backward_schedule={s.backward_schedule}")
         return " ".join(parts)
 
 
@@ -159,14 +178,17 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
     # (lora, nf4): --lora adds LoRA over a bf16 base and over an NF4 base (QLoRA) to the recipe's own choice.
     loras = [(s.lora, s.nf4)] + ([(lo, q) for lo, q in ((True, False), (True, True), (False, False))
                                   if (lo, q) != (s.lora, s.nf4)] if try_lora else [])
+    # Backward schedules: on a GPU overlap (faster) and staggered (one unit less backward memory) both compete.
+    schedules = [s.backward_schedule] if s.device_is_cpu else ["overlap", "staggered"]
     out = []
-    for strategy in strategies:
+    for strategy, sched in [(st, sc) for st in strategies for sc in schedules]:
         for ck in (False, True):
             for off in (False, True):
                 for m in micro:
                     for lo, q in loras:
                         setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off,
-                                                    micro_batch=m, grad_accum=per_rank_batch // m, lora=lo, nf4=q)
+                                                    micro_batch=m, grad_accum=per_rank_batch // m, lora=lo, nf4=q,
+                                                    backward_schedule=sched)
                         p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
                         if p.fits:
                             out.append(Candidate(p, step_time(p)))
@@ -174,4 +196,5 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
     # no checkpointing, then the largest micro-batch (fewest micro-steps: the per-step overheads the model leaves
     # out), then the recipe's own strategy, so `train --fit` changes nothing it has no reason to change.
     return sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.checkpointing is not False,
-                                      -c.plan.setup.micro_batch, c.plan.setup.strategy != s.strategy))
+                                      -c.plan.setup.micro_batch, c.plan.setup.strategy != s.strategy,
+                                      c.plan.setup.backward_schedule != s.backward_schedule))

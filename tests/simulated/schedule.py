@@ -1,0 +1,107 @@
+"""The engine's stream schedule on the simulated GPU: one forward, backward and clip of a tiny model, then the
+recorded order (accelerator.TRACE) is checked against what the GPU needs (test_schedule.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from shardtune import accelerator
+from shardtune.engine.api import BackwardSchedule
+from shardtune.engine.shard import shard_model
+from tests.distributed.common import build_model, policy_for, token_loss_sum
+
+SIM = accelerator.SIMULATED
+
+
+def _step(strategy: str, **policy_changes) -> list[tuple]:
+    model = build_model("tiny-llama")
+    policy = dataclasses.replace(policy_for(model, strategy, world=dist.get_world_size()), **policy_changes)
+    sharded = shard_model(model, policy, device=SIM)
+    ids = torch.randint(3, 128, (1, 16), device=SIM)
+    accelerator.TRACE.clear()
+    token_loss_sum(sharded.module, ids, ids).backward()
+    sharded.clip_grad_norm_(1.0)
+    return list(accelerator.TRACE.entries)
+
+
+def _index(trace: list[tuple], pred) -> list[int]:
+    return [i for i, e in enumerate(trace) if pred(e)]
+
+
+def offload_copies_on_copy_stream() -> None:
+    """Finding 4: offload's H2D copies, their casts and the all-gathers that read them go on the copy stream; the
+    compute stream waits on each gather's event, never on the whole copy stream."""
+    trace = _step("full_shard", cpu_offload=True, mixed_precision=dataclasses.replace(
+        policy_for(build_model("tiny-llama"), "full_shard", world=2).mixed_precision, param_dtype=torch.bfloat16))
+    copies = [e for e in trace if e[0] == "op" and e[2] in ("h2d", "cast")]
+    gathers = [e for e in trace if e[0] == "op" and e[2] == "all_gather"]
+    assert copies and gathers
+    assert {e[1] for e in copies} == {"h2d"} and {e[1] for e in gathers} == {"h2d"}, (copies, gathers)
+    assert not [e for e in trace if e[0] == "wait_stream" and e[1] == "compute"], "compute waited on a stream"
+    recorded = {e[2]: i for i, e in enumerate(trace) if e[0] == "record" and e[1] == "h2d"}
+    waits = _index(trace, lambda e: e[0] == "wait_event" and e[1] == "compute")
+    assert waits and all(trace[i][2] in recorded and recorded[trace[i][2]] < i for i in waits)
+    # Every gather's copies come before the event the compute waits on: the event covers them.
+    for label in {e[3] for e in gathers}:
+        last_copy = max(_index(trace, lambda e, lb=label: e[0] == "op" and e[2] == "h2d" and e[3] == lb))
+        assert any(recorded[trace[i][2]] > last_copy for i in waits)
+    # The copy stream first waits for the compute queued before it (the memory it writes was compute's).
+    assert _index(trace, lambda e: e == ("wait_stream", "h2d", "compute"))
+
+
+def hybrid_all_reduce_on_its_stream() -> None:
+    """Finding 6: each replica all-reduce is issued right after its reduce-scatter, on its own stream (which waits
+    for that reduce-scatter), and the compute stream waits for the all-reduces only at the end of backward,
+    before clipping's norm all-reduce."""
+    trace = _step("hybrid_shard", hybrid_shard_size=2)
+    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter")
+    ar = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and e[3])
+    assert rs and len(ar) == len(rs)
+    for i in rs:
+        label = trace[i][3]
+        (j,) = [k for k in ar if trace[k][3] == label]
+        assert trace[j][1] == "replica" and j > i
+        between = trace[i + 1:j]
+        assert ("wait_work", "replica", f"reduce_scatter:{label}") in between
+        assert not [e for e in between if e[0] == "op" and e[2] == "reduce_scatter"], "issued late"
+    compute_waits = _index(trace, lambda e: e[0] == "wait_work" and e[1] == "compute"
+                           and e[2].startswith("all_reduce:") and e[2] != "all_reduce:")
+    norm = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and not e[3])
+    assert compute_waits and min(compute_waits) > max(rs), "the compute stream waited for an all-reduce mid-backward"
+    assert norm and max(compute_waits) < min(norm)
+
+
+def _backward_order(schedule: BackwardSchedule) -> list[tuple[int, int, int]]:
+    """Per pair of consecutive units j, j-1 in backward: (index of the wait for unit j's reduce-scatter, index of
+    the backward gather of unit j-2, index of unit j-1's reduce-scatter)."""
+    trace = _step("full_shard", backward_schedule=schedule)
+    rs = {e[3]: i for i, e in enumerate(trace) if e[0] == "op" and e[2] == "reduce_scatter"}
+    gathers: dict[str, int] = {}
+    for i, e in enumerate(trace):
+        if e[0] == "op" and e[2] == "all_gather":
+            gathers[e[3]] = i  # the last one: the backward's gather (the forward's came first)
+    waits = {e[2].split(":", 1)[1]: i for i, e in enumerate(trace)
+             if e[0] == "wait_work" and e[1] == "compute" and e[2].startswith("reduce_scatter:")}
+    units = sorted(int(k[4:]) for k in rs if k.startswith("unit"))
+    assert len(units) >= 4 and all(f"unit{j}" in waits for j in units)
+    return [(waits[f"unit{j}"], gathers[f"unit{j - 2}"], rs[f"unit{j - 1}"]) for j in units if j >= 2]
+
+
+def backward_overlaps_like_fsdp2() -> None:
+    """Finding 5, overlap (the default on a GPU): unit j-1's pre-backward gathers unit j-2 at once, and unit j's
+    reduce-scatter is waited for only at unit j-1's post-backward (just before its own reduce-scatter goes out)."""
+    for wait, gather, next_rs in _backward_order(BackwardSchedule.OVERLAP):
+        assert gather < wait < next_rs, (gather, wait, next_rs)
+    # The staggered schedule (CPU's default) retires the reduction first and gathers after: the check tells them
+    # apart.
+    for wait, gather, next_rs in _backward_order(BackwardSchedule.STAGGERED):
+        assert wait < gather < next_rs, (wait, gather, next_rs)
+
+
+def run_checks(names: list[str]) -> None:
+    for name in names:
+        torch.manual_seed(0)
+        globals()[name]()
+        dist.barrier(group=accelerator.host_group())
