@@ -97,9 +97,10 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
          png: Path | None = typer.Option(None, "--png", help="Write a stacked-bar chart (per phase) to this PNG "
                                          "(default: no chart)."),
          top: int = typer.Option(10, "--top", min=1, help="With --fit: how many candidates to show."),
-         simulate: bool = typer.Option(False, "--simulate", help="Also run one real training step at full size "
-                                       "on the simulated GPU (meta device, fake process group; rank 0 of the "
-                                       "world) and print its measured peak beside the plan's (default: off)."),
+         simulate: bool = typer.Option(False, "--simulate", help="Run one real training step at full size on the "
+                                       "simulated GPU (meta device, fake process group; rank 0 of the world) and "
+                                       "print its measured peak beside the plan's, with --json as JSON; exit 0 "
+                                       "(default: off)."),
          ) -> None:
     import json
 
