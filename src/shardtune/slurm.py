@@ -131,6 +131,8 @@ def sbatch_script(recipe_arg: str, overrides: list[str], job: SlurmJob, *, force
     sbatch = [f"--job-name={name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     if job.gpus_per_node:
         sbatch.append(f"--gpus-per-node={job.gpus_per_node}")
+        if recipe.launch.threads_per_worker:  # host threads on GPU runs too (offload's AdamW, adds, norms)
+            sbatch.append(f"--cpus-per-task={job.gpus_per_node * recipe.launch.threads_per_worker}")
     else:
         threads = recipe.launch.threads_per_worker or 1
         sbatch.append(f"--cpus-per-task={int(keys['launch.nproc_per_node']) * threads}")

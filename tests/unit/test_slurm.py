@@ -55,6 +55,16 @@ def test_gpus_per_node_sets_workers_and_device(tmp_path, capsys):
     assert code == 0, err
     text = out.read_text()
     assert "#SBATCH --gpus-per-node=8" in text and "launch.nproc_per_node=8" in text and "launch.device=cuda" in text
+    assert "--cpus-per-task" not in text  # no host threads asked for: the cluster's default
+
+
+def test_gpu_job_reserves_the_host_threads_it_asks_for(tmp_path, capsys):
+    """launch.threads_per_worker on a GPU job (issue 20, finding 7): the workers' threads need CPUs in the job."""
+    code, _, err, out = slurm_cli(tmp_path, capsys, "tiny-cpu", "launch.device=auto", "launch.nproc_per_node=auto",
+                                  "engine.cpu_offload=true", "launch.threads_per_worker=4", "--nodes", "2",
+                                  "--gpus-per-node", "8")
+    assert code == 0, err
+    assert "#SBATCH --cpus-per-task=32" in out.read_text()
 
 
 # Usage errors (--nodes 0, --nodes zero) are typer's, tested in tests/integration/test_cli_usage.py.
