@@ -46,8 +46,11 @@ def _release_process_groups() -> None:
 
     import torch.distributed as dist
 
+    from shardtune import accelerator
+
     if dist.is_initialized():
         dist.destroy_process_group()
+    accelerator.forget_host_group()  # its reference would keep the gloo group (and its threads) alive
     gc.collect()
 
 

@@ -41,8 +41,8 @@ def _worker_entry(rank: int, port: int, run_dir: str) -> None:
 
     groups = []
 
-    def init_and_watch(launch):
-        rt = runtime.init_runtime(launch)
+    def init_and_watch(launch, **kwargs):
+        rt = runtime.init_runtime(launch, **kwargs)
         groups.append(weakref.ref(dist.group.WORLD))
         return rt
 

@@ -72,9 +72,10 @@ def test_data_error_in_worker_is_one_line(tmp_path):
 
 
 def test_train_fit_applies_and_records_the_fastest_fitting_configuration(tmp_path):
-    """A recipe the search improves (checkpointing on, micro-batch 4 x 2): --fit turns checkpointing off and runs
-    micro-batch 8 x 1 (same global batch; fastest on the CPU profile), and recipe.yaml, which the workers and any
-    resume or `slurm` read, holds them."""
+    """A recipe the search improves (checkpointing on, micro-batch 4 x 2): --fit turns checkpointing off, runs
+    micro-batch 8 x 1 (same global batch) and, since a CPU run's backward is staggered (its communication adds to
+    compute rather than hiding under it), keeps parameters gathered through backward (shard_grad_op: one gather per
+    unit fewer); recipe.yaml, which the workers and any resume or `slurm` read, holds them."""
     run = tmp_path / "run"
     proc = subprocess.run([SHARDTUNE, "train", "tiny-cpu", "--fit", f"train.output_dir={run}", "train.max_steps=2",
                            "data.num_samples=300", "data.seq_len=64", "train.demo_eval=false", "train.eval_every=0",
@@ -82,12 +83,12 @@ def test_train_fit_applies_and_records_the_fastest_fitting_configuration(tmp_pat
                            "train.micro_batch_size=4", "train.grad_accum=2"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("train --fit: engine.activation_checkpointing: true -> false; train.micro_batch_size: 4 -> 8; "
-            "train.grad_accum: 2 -> 1") in proc.stdout
+    assert ("train --fit: engine.strategy: full_shard -> shard_grad_op; engine.activation_checkpointing: true -> "
+            "false; train.micro_batch_size: 4 -> 8; train.grad_accum: 2 -> 1") in proc.stdout
     text = (run / "recipe.yaml").read_text()
     assert text.startswith("# engine/train settings chosen by `shardtune train --fit`")
     recipe = load_recipe(run / "recipe.yaml")
-    assert (recipe.engine.activation_checkpointing, recipe.train.micro_batch_size, recipe.train.grad_accum) == \
-        (False, 8, 1)
+    assert (recipe.engine.strategy, recipe.engine.activation_checkpointing, recipe.train.micro_batch_size,
+            recipe.train.grad_accum) == ("shard_grad_op", False, 8, 1)
     lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2] and lines[0]["tokens"] == 8 * 2 * 64  # global batch unchanged
