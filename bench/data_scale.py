@@ -104,7 +104,7 @@ def train_rss(data: str, out: Path, cache: Path | None, env: dict) -> dict:
         for child in proc.children(recursive=True):
             try:
                 cmd = " ".join(child.cmdline())
-                if "shardtune.worker" not in cmd or "torch.distributed.run" in cmd:  # torchrun's agent names it too
+                if "shardtune.worker" not in cmd or "shardtune.agent" in cmd:  # torchrun's agent names it too
                     continue
                 status = Path(f"/proc/{child.pid}/status").read_text()
             except (psutil.Error, OSError):

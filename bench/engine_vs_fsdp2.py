@@ -50,7 +50,9 @@ def build(a: argparse.Namespace, backend: str, dtype: torch.dtype):
     policy = ShardingPolicy(strategy=ShardingStrategy.FULL_SHARD, unit_classes=(LlamaDecoderLayer,),
                             mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32))
     sharded = BACKENDS[backend].shard_model(model, policy, device=torch.device("cpu"))
-    opt = torch.optim.AdamW(sharded.optimizer_param_groups(0.1), lr=1e-4, foreach=True)
+    # The optimizer train.py builds for host states (build_optimizer: fused on CPU): foreach would add a temporary
+    # copy of every shard to the optimizer phase (its _foreach_sqrt), which no training run pays.
+    opt = torch.optim.AdamW(sharded.optimizer_param_groups(0.1), lr=1e-4, fused=True)
     return model, sharded, opt
 
 
@@ -124,11 +126,13 @@ def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> Non
         for b in BACKENDS:  # one backend alive at a time; untimed: the tracker costs Python work per op
             model, sharded, opt = build(a, b, dtype)
             train_step(a, model, sharded, opt, 0)  # optimizer states exist from here on, as in training
-            tracker = CpuMemoryTracker().start()
+            tracker = CpuMemoryTracker(record_peak=a.peak_list > 0).start()
             tracker.reset_peak()
             train_step(a, model, sharded, opt, 1)
             peak = torch.tensor(tracker.peak_bytes())
             tracker.stop()
+            if a.peak_list and rank == 0:
+                print_peak_list(f"{b} {dtype_name}", tracker.peak_live, a.peak_list)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             peaks[b] = int(peak)
             del model, sharded, opt
@@ -139,6 +143,17 @@ def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> Non
     if rank == 0:
         print_table(a, rows)
     dist.destroy_process_group()
+
+
+def print_peak_list(title: str, live: list[tuple[str, int]], top: int) -> None:
+    """Rank 0's live storages at its peak, grouped by the op/shape/dtype that created them, largest first."""
+    groups: dict[str, list[int]] = {}
+    for label, n in live:
+        groups.setdefault(label, []).append(n)
+    total = sum(n for _, n in live)
+    print(f"\nlive at the peak, {title}: {total / 2**20:.3f} MiB in {len(live)} storages", flush=True)
+    for label, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(sizes) / 2**20:8.3f} MiB  {len(sizes):4d} x  {label}", flush=True)
 
 
 def print_table(a: argparse.Namespace, rows) -> None:
@@ -171,6 +186,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks share the cores)")
     p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--peak-list", type=int, default=0, help="print the N largest groups of live tensors at the peak")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(2, os.path.join(tmp, "store"), a), nprocs=2, join=True)

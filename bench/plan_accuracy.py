@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/plan_accuracy.py            # ~13 configurations, world sizes 1/2/4, ~3 min on 2 cores
     .venv/bin/python bench/plan_accuracy.py --qlora    # the separate QLoRA table (6 configurations)
+    .venv/bin/python bench/plan_accuracy.py --vocab    # 32k vocabulary, chunked loss / tiled NF4 on and off (8)
     .venv/bin/python bench/plan_accuracy.py --demo     # + the demo recipes (tiny-cpu, tiny-lora-cpu) x micro-batch
                                                        #   1/2/4/8 x full_shard/shard_grad_op/no_shard x 1/2/4 ranks
 
@@ -13,18 +14,22 @@ from __future__ import annotations
 import argparse
 import time
 
-from shardtune.plan.accuracy import default_grid, demo_grid, qlora_grid, run
+from shardtune.plan.accuracy import default_grid, demo_grid, qlora_grid, run, vocab_grid
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, nargs="*", help="only these world sizes")
     parser.add_argument("--qlora", action="store_true", help="only the QLoRA table (lora.quantize_base=nf4)")
+    parser.add_argument("--vocab", action="store_true", help="only the 32k-vocabulary table (chunked loss, tiled "
+                        "NF4 on and off)")
     parser.add_argument("--demo", action="store_true", help="also the demo-recipe grid (72 runs), a separate table")
     parser.add_argument("--demo-only", action="store_true", help="only the demo-recipe grid")
     args = parser.parse_args()
     if args.qlora:
         tables = [("QLoRA table (issue 11)", qlora_grid())]
+    elif args.vocab:
+        tables = [("32k vocabulary: chunked loss, tiled NF4 (issue 21)", vocab_grid())]
     else:
         tables = [] if args.demo_only else [("validation grid (own 4-layer Llama)", default_grid())]
         if args.demo or args.demo_only:

@@ -58,17 +58,30 @@ def train(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
     from shardtune.launch import launch_train
 
     cfg = load_recipe_config(recipe, overrides or [])
-    raise typer.Exit(launch_train(cfg, check=not no_check, fit=fit))
+    trust = any(o.split("=", 1)[0].strip() == "hardware.host_ram_gb" for o in overrides or [])
+    raise typer.Exit(launch_train(cfg, check=not no_check, fit=fit, trust_host_ram=trust))
 
 
-@app.command()
+VALIDATE_HELP = (
+    "Check a recipe without building anything heavy: schema, values, files, sharding vs world size; then the data "
+    "(the first rows of every data file: format, field keys, values, tokenized with the real tokenizer), "
+    "data.seq_len vs the model's max_position_embeddings and train.warmup_steps vs train.max_steps.\n\n"
+    "Every problem is one line on stderr (file, line and column where it applies); any problem exits 2.")
+
+
+@app.command(help=VALIDATE_HELP)
 def validate(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> None:
-    """Check a recipe (schema, values, files, sharding vs world size) without building anything heavy."""
     from shardtune.config.load import load_recipe
     from shardtune.launch import check_launch
+    from shardtune.validate import recipe_problems
 
     r = load_recipe(recipe, overrides or [])
     nproc = check_launch(r)
+    problems = recipe_problems(r)
+    for p in problems:
+        typer.echo(f"error: {p}", err=True)
+    if problems:
+        raise typer.Exit(2)
     typer.echo(f"ok: {recipe} ({nproc} worker(s) per node x {r.launch.nnodes} node(s), "
                f"engine={r.engine.backend}/{r.engine.strategy}, output_dir={r.train.output_dir})")
 
@@ -196,29 +209,93 @@ def recipes() -> None:
 
 
 @app.command()
+def keys(prefix: str | None = typer.Argument(None, help="Only keys under this section or prefix, e.g. train or "
+                                              "model.path (default: every key).")) -> None:
+    """List every recipe key with its type, default and meaning (from the schema); set one as KEY=VALUE."""
+    from shardtune.config.keys import format_keys
+
+    typer.echo(format_keys(prefix))
+
+
+@app.command()
 def export(checkpoint: str = typer.Argument(..., help="<output_dir>/checkpoints/step_N (or the checkpoints folder: "
                                             "its newest)."),
            out_dir: str = typer.Argument(..., help="Folder to write: HF safetensors (+ index) or a PEFT adapter."),
            max_shard_size_mb: int = typer.Option(2048, min=1, help="Split the safetensors output into files of at "
-                                                 "most this many MiB.")
+                                                 "most this many MiB."),
+           merge: bool = typer.Option(False, "--merge", help="LoRA runs: write the base with the adapters merged "
+                                      "(full HF safetensors + generation_config.json) instead of the adapter "
+                                      "(default: off)."),
+           force: bool = typer.Option(False, "--force", help="Write into a non-empty folder, replacing the model "
+                                      "files there (default: refuse, exit 2)."),
            ) -> None:
     """Consolidate a sharded checkpoint, streamed tensor by tensor (peak memory ~ one output file)."""
+    from shardtune.checkpoint.paths import latest_checkpoint, prepare_target
+
+    ckpt = latest_checkpoint(Path(checkpoint))
+    prepare_target(Path(out_dir), force=force)  # before torch is imported: a refusal takes a moment
     from shardtune.checkpoint.consolidate import export_checkpoint
+    from shardtune.checkpoint.merge import merge_checkpoint
     from shardtune.progress import ExportProgress
 
+    write = merge_checkpoint if merge else export_checkpoint
     progress = ExportProgress()
     try:
-        files = export_checkpoint(Path(checkpoint), Path(out_dir), max_shard_bytes=max_shard_size_mb * 1024**2,
-                                  progress=progress)
+        files = write(ckpt, Path(out_dir), max_shard_bytes=max_shard_size_mb * 1024**2, progress=progress)
     finally:
         progress.close()
     typer.echo(f"wrote {len(files)} file(s) to {out_dir}")
+
+
+MODEL_ARG = typer.Argument(..., help="A run directory (its final/, else its newest checkpoint), a final/ or exported "
+                           "folder (full model or LoRA adapter), or a checkpoint step_N.")
+TEMPERATURE = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy; above 0 samples.")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (with --temperature > 0).")
+SEED = typer.Option(0, "--seed", help="Sampling seed.")
+DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda (one GPU).")
+
+
+GENERATE_HELP = (
+    "Complete prompts with a trained model, in one process on CPU or one GPU. The prompt is rendered as in "
+    "training: the run's recipe.yaml (beside or above the model) gives data.format, data.template and "
+    "model.chat_template, and for a LoRA adapter its base model.")
+
+
+@app.command(help=GENERATE_HELP)
+def generate(model: str = MODEL_ARG,
+             prompt: list[str] = typer.Option(..., "--prompt", help="The user's text; required, no default. "
+                                              "Repeat it for several prompts: one completion per prompt, each on "
+                                              "its own line (newlines in a completion are printed as \\n)."),
+             max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),
+             temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED, device: str = DEVICE,
+             ) -> None:
+    from shardtune.generate import Sampling, complete, load, render
+
+    loaded = load(Path(model), device)
+    sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+    for p in prompt:
+        text = complete(loaded, render(loaded, p), sampling)
+        typer.echo(text.replace("\n", "\\n") if len(prompt) > 1 else text)
+
+
+@app.command(help="Talk to a trained model: one reply per line read from stdin, until EOF or /exit (/reset starts "
+             "over). Runs trained on chat data keep the conversation; others answer each line alone.")
+def chat(model: str = MODEL_ARG,
+         max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens per reply."),
+         temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED, device: str = DEVICE,
+         ) -> None:
+    from shardtune.generate import Sampling, chat_loop, load
+
+    chat_loop(load(Path(model), device), Sampling(max_new_tokens, temperature, top_p, seed))
 
 
 def main() -> None:
     """Entry point. typer runs in its standalone mode, its public contract for a CLI: usage errors print the
     usage hint and one error line and exit 2, `typer.Exit(code)` exits with `code`, and Ctrl-C exits 130.
     Only what a command itself raises reaches the handlers below."""
+    from shardtune.voice import one_line_warnings
+
+    one_line_warnings()  # `warning: MESSAGE`, no source path
     try:
         app()
     except UserError as e:

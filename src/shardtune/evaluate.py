@@ -5,25 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.data.batches import RowSource
 from shardtune.data.formats import IGNORE
+from shardtune.loss import token_loss_sum
 from shardtune.runtime import Runtime, all_reduce_sum
 
-
-def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                   position_ids: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy over target tokens, computed in fp32 (logits upcast)."""
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=IGNORE, reduction="sum")
+MAX_DEMO_TOKENS = 128  # greedy decoding per held-out prompt, at most
 
 
 @torch.no_grad()
-def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_size: int, max_rows: int) -> float | None:
+def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_size: int, max_rows: int,
+              loss_chunk_tokens: int = 0) -> float | None:
     n = min(len(rows), max_rows)
     if n == 0:
         return None
@@ -38,7 +33,7 @@ def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_siz
         if not len(idx):
             idx = torch.tensor([0])  # a dummy forward keeps the collectives in step
         ids, labels, pos = (torch.from_numpy(x).to(rt.device) for x in rows.take(idx.numpy()))
-        s = token_loss_sum(model, ids, labels, pos)
+        s = token_loss_sum(model, ids, labels, pos, chunk_tokens=loss_chunk_tokens)
         loss_sum += weight * float(s)
         count += weight * float((labels[:, 1:] != IGNORE).sum())
     model.train(was_training)
@@ -46,14 +41,38 @@ def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_siz
     return loss_sum / max(count, 1.0)
 
 
+def demo_samples(data: Any, limit: int, *, announce: bool) -> list[dict[str, str]]:
+    """Held-out {prompt, response} pairs for `exact_match`, the prompt rendered with the data's template exactly as
+    in training. Only a single instruction-format dataset has such pairs; otherwise nothing, with a one-line note."""
+    fields = data.manifest.get("data", {})
+    why = ("a mix of datasets" if data.parts else f"data.format={fields.get('format')} has no prompt/response pairs"
+           if fields.get("format") != "instruction" else "no held-out rows (data.eval_fraction)" if not data.eval_raw
+           else None)
+    if why is not None:
+        if announce:
+            print(f"train.demo_eval: skipped ({why})", flush=True)
+        return []
+    from shardtune.data.templates import render_prompt
+
+    def text(row: dict[str, Any], key: str) -> str:
+        value = row.get(fields[key]) if fields[key] else None
+        return "" if value is None else str(value)
+
+    return [{"prompt": render_prompt(fields["template"], text(r, "prompt_field"), text(r, "input_field")),
+             "response": text(r, "response_field")} for r in data.eval_raw[:limit]]
+
+
 @torch.no_grad()
 def exact_match(model: nn.Module, tok: PreTrainedTokenizerBase, samples: list[dict[str, Any]], rt: Runtime,
-                *, max_new_tokens: int = 10) -> float:
+                *, max_new_tokens: int | None = None) -> float:
     """Greedy-decode each prompt; a sample counts when the text before EOS equals the response exactly.
     All ranks decode the same prompts, but nothing guarantees they stop at the same step (bf16 kernels may break a
     tie differently): `generate` keeps the ranks in lockstep."""
     if not samples:
         return float("nan")
+    if max_new_tokens is None:  # room for the longest expected answer and its EOS (user data: capped)
+        lengths = tok([s["response"] for s in samples], add_special_tokens=False)["input_ids"]
+        max_new_tokens = min(MAX_DEMO_TOKENS, max(len(x) for x in lengths) + 1)
     was_training = model.training
     model.eval()
     tok.padding_side = "left"  # decoder-only batched generation pads on the left

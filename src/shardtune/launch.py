@@ -2,7 +2,8 @@
 
 Inside an existing torchrun/srun worker (RANK and WORLD_SIZE set) the worker runs directly. A worker that hits
 a user error writes it to `<run>/.user_error` (--error-file) and exits 2; the launcher then prints that one line and exits 2
-instead of relaying torchrun's failure report (bad input never gives a traceback).
+instead of relaying torchrun's failure report (bad input never gives a traceback). A worker that dies without a
+message (a signal, a native crash) is one line from the agent's report (agent.py, worker_deaths.py), exit 5.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -18,6 +20,7 @@ from shardtune.checkpoint.paths import explicit_resume_dir
 from shardtune.config.load import to_recipe, to_yaml
 from shardtune.config.schema import Recipe, check_world
 from shardtune.errors import UserError
+from shardtune.worker_deaths import describe, first_failure, rank_log, read_report
 
 USER_ERROR_FILE = ".user_error"
 EXIT_CODE_FILE = ".exit_code"  # a worker's documented exit code (preempted 75, diverged 4) survives torchrun
@@ -65,9 +68,10 @@ def worker_threads(recipe: Recipe, nproc: int) -> int | None:
     return None
 
 
-def torchrun_command(recipe: Recipe, recipe_file: Path, nproc: int) -> list[str]:
+def torchrun_command(recipe: Recipe, recipe_file: Path, nproc: int, report: Path | None = None) -> list[str]:
+    """torchrun's arguments, run by agent.py (torchrun's agent, reporting how failed workers ended to `report`)."""
     launch = recipe.launch
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "shardtune.agent", str(report or os.devnull), f"--nproc-per-node={nproc}",
            f"--max-restarts={launch.max_restarts}"]
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         cmd.append("--standalone")
@@ -94,9 +98,10 @@ def _forward_stop_signals(proc: subprocess.Popen) -> None:
         signal.signal(sig, forward)
 
 
-def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False) -> int:
+def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trust_host_ram: bool = False) -> int:
     """`check`: refuse (exit 3) a recipe the plan says does not fit the detected hardware; `fit`: apply
-    `plan --fit`'s fastest fitting configuration first (preflight.py)."""
+    `plan --fit`'s fastest fitting configuration first (preflight.py); `trust_host_ram`: hardware.host_ram_gb was
+    given on the command line, so pre-flight believes it over /proc/meminfo."""
     if not in_worker_env():
         from shardtune.slurm import apply_allocation
 
@@ -115,13 +120,17 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False) -> i
         from shardtune.preflight import preflight
 
         before = to_yaml(cfg)
-        cfg, code = preflight(cfg, recipe, nproc, refuse=check, fit=fit)
+        cfg, code = preflight(cfg, recipe, nproc, refuse=check, fit=fit, trust_host_ram=trust_host_ram)
         if code:
             return code
         if fit and to_yaml(cfg) != before:
             recipe = to_recipe(cfg)
             nproc = check_launch(recipe)
             header = "# engine/train settings chosen by `shardtune train --fit` (plan --fit's fastest fitting one)\n"
+    from shardtune.resume_check import check_resume
+
+    cfg = check_resume(cfg, recipe, nproc * recipe.launch.nnodes)  # exit 2 for a checkpoint of another run
+    recipe = to_recipe(cfg)
     run_dir = Path(recipe.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
@@ -140,14 +149,10 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False) -> i
     # SLURM delivers a step's signals to every process in it: torchrun's agent has no USR1 handler and would die
     # (killing the workers mid-checkpoint), so it inherits SIG_IGN from here; the workers set their own handler.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    proc = subprocess.Popen(torchrun_command(recipe, recipe_file, nproc), env=env, stderr=subprocess.PIPE, text=True)
-    _forward_stop_signals(proc)
-    assert proc.stderr is not None
-    said = (run_dir / USER_ERROR_FILE, run_dir / EXIT_CODE_FILE)
-    for line in proc.stderr:  # relay live, but drop torchrun's report once a worker has said what was wrong
-        if not any(f.exists() for f in said):
-            sys.stderr.write(line)
-    code = proc.wait()
+    with tempfile.TemporaryDirectory(prefix="shardtune-agent-") as tmp:  # per node: not in a shared run dir
+        report = Path(tmp) / "failures.json"
+        code = _run_agent(torchrun_command(recipe, recipe_file, nproc, report), env, run_dir)
+        failures = read_report(report)
     err_file = run_dir / USER_ERROR_FILE
     if code != 0 and err_file.exists():
         raise UserError(err_file.read_text().strip())
@@ -156,4 +161,27 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False) -> i
         worker_code, message = code_file.read_text().split("\n", 1)
         print(f"shardtune: {message}", file=sys.stderr)
         return int(worker_code)
+    if code != 0 and failures:
+        return _report_death(failures, run_dir, nproc * recipe.launch.nnodes)
+    return code
+
+
+def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    _forward_stop_signals(proc)
+    assert proc.stderr is not None
+    said = (run_dir / USER_ERROR_FILE, run_dir / EXIT_CODE_FILE)
+    for line in proc.stderr:  # relay live, but drop the agent's last words once a worker has said what was wrong
+        if not any(f.exists() for f in said):
+            sys.stderr.write(line)
+    return proc.wait()
+
+
+def _report_death(failures: list[dict], run_dir: Path, world_size: int) -> int:
+    """One line for the first worker that died; an internal error also shows its traceback (from its log)."""
+    code, line = describe(failures, run_dir, world_size)
+    if code == 1:
+        text = rank_log(run_dir, first_failure(failures)["rank"]).read_text(errors="replace")
+        sys.stderr.write(text[text.rindex("Traceback (most recent call last)"):])
+    print(f"shardtune: {line}", file=sys.stderr)
     return code

@@ -58,11 +58,17 @@ def _data_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 class CpuMemoryTracker(TorchDispatchMode):
     def __init__(self, *, recheck_min_bytes: int = 64 * 1024, device_type: str = "cpu",
-                 host: Callable[[torch.Tensor | None], bool] | None = None) -> None:
+                 host: Callable[[torch.Tensor | None], bool] | None = None, record_peak: bool = False) -> None:
         """`device_type`: whose storages count (cpu, or meta for the simulated GPU). `host(t)`: whether tensor
-        `t` (at start) or an op's output now (`t` None) is host memory, counted apart (meta mode only)."""
+        `t` (at start) or an op's output now (`t` None) is host memory, counted apart (meta mode only).
+        `record_peak`: keep the list of live storages at the peak (`peak_live`), each labelled with the op, shape
+        and dtype of the tensor that created it; a diagnostic (O(live storages) per new peak)."""
         super().__init__()
         self.recheck_min_bytes = recheck_min_bytes
+        self.record_peak = record_peak
+        self._labels: dict[int, str] = {}
+        self._op = "before start"
+        self.peak_live: list[tuple[str, int]] = []  # (label, bytes) of each live storage at the peak
         self.device_type = device_type
         self._host_pred = host
         self._host: set[int] = set()  # keys of host storages
@@ -77,10 +83,12 @@ class CpuMemoryTracker(TorchDispatchMode):
         self._lock = threading.RLock()  # re-entrant: gc may run a weakref callback while we hold it
 
     # -- registration ----------------------------------------------------------------------------------------------
-    def _update(self, st: torch.UntypedStorage | None, host: bool | None = None) -> None:
+    def _update(self, st: torch.UntypedStorage | None, host: bool | None = None, label: str = "") -> None:
         if st is None or st.device.type != self.device_type:
             return
         with self._lock:
+            if self.record_peak and id(st) not in self._labels:
+                self._labels[id(st)] = label or self._op
             self._update_locked(st, host)
 
     def _update_locked(self, st: torch.UntypedStorage, host: bool | None = None) -> None:
@@ -104,6 +112,9 @@ class CpuMemoryTracker(TorchDispatchMode):
             self._host_peak = max(self._host_peak, self._host_live)
         else:
             self._live += delta
+            if self._live > self._peak and self.record_peak:
+                self.peak_live = [(self._labels.get(k, "?"), b) for k, b in self._sizes.items()
+                                  if b and k not in self._host]
             self._peak = max(self._peak, self._live)
 
     def _forget(self, key: int) -> None:
@@ -113,6 +124,7 @@ class CpuMemoryTracker(TorchDispatchMode):
             self._host.discard(key)
             self._refs.pop(key, None)
             self._big.discard(key)
+            self._labels.pop(key, None)
 
     def _recheck_big(self) -> None:
         with self._lock:
@@ -123,15 +135,30 @@ class CpuMemoryTracker(TorchDispatchMode):
                     self._add(key, st.nbytes() - self._sizes[key])
                     self._sizes[key] = st.nbytes()
 
+    def _update_tensor(self, t: torch.Tensor) -> None:
+        st = _data_storage(t)
+        if st is not None:
+            self._update(st, label=f"{self._op} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                         if self.record_peak else "")
+        elif hasattr(t, "__tensor_flatten__"):
+            # A wrapper subclass (DTensor, FSDP2's parameters, grads and AdamW state) runs its ops on its inner
+            # tensors inside its own __torch_dispatch__, where this mode is not active: count what it holds
+            # here, or a tracker started before the first step would never see FSDP2's optimizer state.
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name, None)
+                if isinstance(inner, torch.Tensor):
+                    self._update_tensor(inner)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         peak_before = self._peak
         out = func(*args, **(kwargs or {}))
+        self._op = str(func)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._update(_data_storage(t))
+                self._update_tensor(t)
         for t in tree_leaves(args):  # in-place ops (resize_, set_) may grow an input's storage
             if isinstance(t, torch.Tensor):
-                self._update(_data_storage(t))
+                self._update_tensor(t)
         self._recheck_big()
         if self._peak > peak_before:
             self.peak_op = str(func)  # the op at which the peak was reached: the first clue when profiling
@@ -146,7 +173,8 @@ class CpuMemoryTracker(TorchDispatchMode):
             found.sort(key=lambda t: not self._host_pred(t))
         for obj in found:
             if obj.is_meta == meta:
-                self._update(_data_storage(obj), host=self._host_pred is not None and self._host_pred(obj))
+                self._update(_data_storage(obj), host=self._host_pred is not None and self._host_pred(obj),
+                             label=f"before start {tuple(obj.shape)}" if self.record_peak else "")
         self._peak, self._host_peak = self._live, self._host_live
         _ACTIVE.append(self)
         self.__enter__()

@@ -11,7 +11,8 @@ from shardtune.progress import make_progress
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, *, max_steps: int, enabled: bool, start_step: int = 0, log_every: int = 20) -> None:
+    def __init__(self, run_dir: Path, *, max_steps: int, enabled: bool, start_step: int = 0, log_every: int = 20,
+                 show_epoch: bool = False) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = max_steps
@@ -30,7 +31,8 @@ class MetricsLog:
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         except ImportError:  # tensorboard is a dependency; a stripped install still trains
             self._tb = None
-        self._progress = make_progress(max_steps=max_steps, start_step=start_step, log_every=log_every)
+        self._progress = make_progress(max_steps=max_steps, start_step=start_step, log_every=log_every,
+                                       show_epoch=show_epoch)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

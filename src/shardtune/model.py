@@ -15,6 +15,7 @@ from transformers import (
 
 from shardtune.config.schema import ModelConfig
 from shardtune.data.char_tokenizer import build_char_tokenizer
+from shardtune.data.templates import resolve_chat_template
 from shardtune.errors import UserError
 from shardtune.loading import build_empty
 from shardtune.seeded_init import init_full
@@ -52,6 +53,12 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
 
 
 def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    tok = _load_tokenizer(cfg)
+    tok.chat_template = resolve_chat_template(tok.chat_template, cfg.chat_template)  # model.chat_template wins
+    return tok
+
+
+def _load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     source = cfg.tokenizer or cfg.path
     if source is None or source == "builtin:char":
         return build_char_tokenizer()

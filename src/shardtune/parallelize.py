@@ -62,6 +62,7 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
         # Under LoRA every trainable parameter is an adapter (peft froze the rest): keep them whole on each rank.
         replicated=(lambda name, p: is_adapter(name)) if lora else None,
         quantize_base=quantize_base == "nf4",
+        nf4_tile_bytes=int(engine.nf4_tile_mb * (1 << 20)) if quantize_base == "nf4" else 0,
     )
 
 

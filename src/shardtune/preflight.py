@@ -31,7 +31,24 @@ GiB = 1 << 30
 class Detected:
     gpu_name: str | None  # None on CPU or when nvidia-smi is missing
     gpu_bytes: int | None
-    host_bytes: int | None
+    host_bytes: int | None  # what this launch judges against (see judged_host_ram)
+    note: str = ""  # how the recipe's hardware block compares with the machine, for the pre-flight line
+
+
+def judged_host_ram(claimed_gb: float | None, present: int | None, *, trusted: bool) -> tuple[int | None, str]:
+    """(host RAM bytes to check against, a note). The recipe's `hardware` block describes the node `plan` targets,
+    not necessarily this one: a claim above what /proc/meminfo reports is not believed (the OOM killer would end
+    the run instead), unless `hardware.host_ram_gb` was given on the command line (taken on trust). A claim below
+    what is present is honoured: a share of a node."""
+    if claimed_gb is None:
+        return present, ""
+    claimed = int(claimed_gb * GiB)
+    if trusted:
+        return claimed, f"host RAM {claimed_gb:g} GiB taken on trust (hardware.host_ram_gb on the command line)"
+    if present is not None and claimed > present:
+        return present, (f"the recipe's hardware.host_ram_gb={claimed_gb:g} is more than the {present / GiB:.1f} GiB "
+                         f"present: judged on what is present")
+    return claimed, ""
 
 
 def host_ram_bytes() -> int | None:
@@ -74,9 +91,14 @@ def match_profile(name: str, memory_bytes: int) -> str | None:
     return min(hits, key=lambda k: abs(load_profile(k).memory_bytes - memory_bytes), default=None)
 
 
-def detect(device_type: str) -> Detected:
-    gpu = detect_gpu() if device_type == "cuda" else None
-    return Detected(gpu_name=gpu[0] if gpu else None, gpu_bytes=gpu[1] if gpu else None, host_bytes=host_ram_bytes())
+def detect(recipe: Recipe, *, trust_host_ram: bool = False) -> Detected:
+    """What is present, and how the recipe's hardware block compares with it."""
+    gpu = detect_gpu() if recipe.launch.device_type() == "cuda" else None
+    host, note = judged_host_ram(recipe.hardware.host_ram_gb, host_ram_bytes(), trusted=trust_host_ram)
+    if gpu and match_profile(*gpu) != recipe.hardware.gpu:
+        note = "; ".join(filter(None, [f"the recipe's hardware.gpu={recipe.hardware.gpu}, judged on the {gpu[0]} "
+                                       "present", note]))
+    return Detected(gpu_name=gpu[0] if gpu else None, gpu_bytes=gpu[1] if gpu else None, host_bytes=host, note=note)
 
 
 def plan_on_detected(cfg: DictConfig, recipe: Recipe, nproc: int, found: Detected):
@@ -86,8 +108,8 @@ def plan_on_detected(cfg: DictConfig, recipe: Recipe, nproc: int, found: Detecte
 
     cfg = cfg.copy()
     cfg.launch.nproc_per_node = nproc  # world = nproc x nnodes, what torchrun will start
-    if found.host_bytes and recipe.hardware.host_ram_gb is None:  # an explicit value is the user's statement
-        cfg.hardware.host_ram_gb = round(found.host_bytes / GiB, 2)
+    if found.host_bytes:
+        cfg.hardware.host_ram_gb = found.host_bytes / GiB
     profile = None
     if recipe.launch.device_type() == "cpu":
         cfg.hardware.gpu = "cpu"
@@ -107,7 +129,7 @@ def fits_by_bound(recipe: Recipe, nproc: int, found: Detected) -> str | None:
     from shardtune.plan.hardware import load_profile, usable_gpu_bytes
 
     bound = peak_upper_bound(recipe, ranks_per_node=nproc)
-    ram = recipe.hardware.host_ram_gb * GiB if recipe.hardware.host_ram_gb is not None else found.host_bytes
+    ram = found.host_bytes
     if bound is None:
         return None
     if recipe.launch.device_type() == "cpu":
@@ -124,13 +146,19 @@ def fits_by_bound(recipe: Recipe, nproc: int, found: Detected) -> str | None:
         return None
     world = nproc * recipe.launch.nnodes
     return (f"pre-flight ({world} x {where}): fits: peak at most {bound.device_bytes / GiB:.2f} GiB/rank (a bound "
-            f"from the model config; `shardtune plan` for the estimate) vs {usable / GiB:.2f} GiB usable")
+            f"from the model config; `shardtune plan` for the estimate) vs {usable / GiB:.2f} GiB usable"
+            f"{_note(found)}")
 
 
-def preflight(cfg: DictConfig, recipe: Recipe, nproc: int, *, refuse: bool, fit: bool) -> tuple[DictConfig, int]:
+def _note(found: Detected) -> str:
+    return f" ({found.note})" if found.note else ""
+
+
+def preflight(cfg: DictConfig, recipe: Recipe, nproc: int, *, refuse: bool, fit: bool,
+              trust_host_ram: bool = False) -> tuple[DictConfig, int]:
     """(the config to launch, 0) or (cfg, 3) when it does not fit and `refuse`. With `fit`, the returned config
-    carries the chosen overrides."""
-    found = detect(recipe.launch.device_type())
+    carries the chosen overrides. `trust_host_ram`: hardware.host_ram_gb came from the command line."""
+    found = detect(recipe, trust_host_ram=trust_host_ram)
     if not fit and (line := fits_by_bound(recipe, nproc, found)):
         print(line, flush=True)
         return cfg, 0
@@ -160,7 +188,7 @@ def preflight(cfg: DictConfig, recipe: Recipe, nproc: int, *, refuse: bool, fit:
         plan = best[0].plan
         print(f"train --fit: predicted {best[0].time['step_s']:.3g} s/step, {best[0].time['tokens_per_s']:,.0f} "
               "tokens/s", flush=True)
-    print(f"pre-flight ({where}): {summary_line(plan)}", flush=True)
+    print(f"pre-flight ({where}): {summary_line(plan)}{_note(found)}", flush=True)
     if plan.fits:
         return cfg, 0
     for a in plan.advice:

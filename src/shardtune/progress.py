@@ -14,12 +14,14 @@ GiB = 1 << 30
 
 
 def make_progress(*, max_steps: int, start_step: int, log_every: int, out: TextIO | None = None,
-                  live: bool | None = None) -> PlainProgress | LiveProgress:
+                  live: bool | None = None, show_epoch: bool = False) -> PlainProgress | LiveProgress:
     out = out or sys.stdout
     if live is None:
         live = out.isatty()
     cls = LiveProgress if live else PlainProgress
-    return cls(max_steps=max_steps, start_step=start_step, log_every=log_every, out=out)
+    progress = cls(max_steps=max_steps, start_step=start_step, log_every=log_every, out=out)
+    progress.show_epoch = show_epoch  # runs given in train.epochs show the epoch (metrics.jsonl always has it)
+    return progress
 
 
 def _duration(s: float) -> str:
@@ -30,6 +32,7 @@ def _duration(s: float) -> str:
 class PlainProgress:
     def __init__(self, *, max_steps: int, start_step: int, log_every: int, out: TextIO) -> None:
         self.max_steps, self.start_step, self.log_every, self.out = max_steps, start_step, log_every, out
+        self.show_epoch = False
         self.t0 = time.perf_counter()
         self.records: list[dict[str, Any]] = []  # this session's steps (not the ones before a resume)
         self._window_start = 0  # index into records of the first step since the last printed line
@@ -59,9 +62,11 @@ class PlainProgress:
         r = window[-1]
         # tokens/s over the steps since the last line: one step's figure jitters with the machine's load
         tps = sum(x["tokens"] for x in window) / max(sum(x["step_time_s"] for x in window), 1e-9)
-        parts = [f"step {r['step']}/{self.max_steps}", f"loss {r['loss']:.4f}"]
+        parts = [f"step {r['step']}/{self.max_steps}"] + ([f"epoch {r['epoch']:.2f}"] if self.show_epoch else [])
+        parts.append(f"loss {r['loss']:.4f}")
         if "eval_loss" in r:
             parts.append(f"eval_loss {r['eval_loss']:.4f}")
+        parts += reward_parts(r)
         parts += [f"lr {r['lr']:.2e}", f"{tps:,.0f} tokens/s"]
         peaks = [x["peak_mem_bytes"] for x in window if x.get("peak_mem_bytes") is not None]
         if peaks:
@@ -106,8 +111,11 @@ class LiveProgress(PlainProgress):
         self._first(record)
         self.records.append(record)
         info = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"{record['tokens_per_s']:,.0f} tok/s"]
+        if self.show_epoch:
+            info.insert(0, f"epoch {record['epoch']:.2f}")
         if "eval_loss" in record:
             info.insert(1, f"eval {record['eval_loss']:.4f}")
+        info[1:1] = reward_parts(record)
         if record.get("peak_mem_bytes") is not None:
             info.append(f"peak {record['peak_mem_bytes'] / GiB:.2f} GiB")
         self._bar.update(self._task, completed=record["step"], info="  ".join(info))
@@ -153,3 +161,11 @@ class ExportProgress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def reward_parts(record: dict[str, Any]) -> list[str]:
+    """DPO steps: reward accuracy on the batch (and on held-out pairs at eval steps)."""
+    parts = [f"reward_acc {record['reward_accuracy']:.2f}"] if "reward_accuracy" in record else []
+    if "eval_reward_accuracy" in record:
+        parts.append(f"eval_reward_acc {record['eval_reward_accuracy']:.2f}")
+    return parts

@@ -119,8 +119,10 @@ def sbatch_script(recipe_arg: str, overrides: list[str], job: SlurmJob, *, force
     keys = job_launch_keys(recipe, job)
     # Pin the run directory: a requeued job must resume in the same one, even if output_dir uses ${now:...}.
     keys["train.output_dir"] = str((cwd / recipe.train.output_dir).resolve())
+    # A CPU job is planned against host memory (the cpu profile), never the recipe's GPU profile.
+    target = ["hardware.gpu=cpu"] if keys["launch.device"] == "cpu" else []
     job_recipe = load_recipe(recipe_arg, [*overrides, *(f"{k}={v}" for k, v in keys.items()),
-                                          f"launch.nnodes={job.nodes}", "launch.rdzv_endpoint=head:1"])
+                                          f"launch.nnodes={job.nodes}", "launch.rdzv_endpoint=head:1", *target])
     verdict = check_fits(job_recipe, force=force)
 
     recipe_ref = recipe_arg if not Path(recipe_arg).is_file() else str(resolve_recipe_path(recipe_arg))

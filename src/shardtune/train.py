@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,13 @@ from shardtune.config.schema import TrainConfig
 from shardtune.data import GlobalBatches, TokenizedData
 from shardtune.data.ranks import prepare_for_ranks
 from shardtune.engine.api import ShardedModel
-from shardtune.evaluate import eval_loss, exact_match, token_loss_sum
+from shardtune.evaluate import demo_samples, exact_match
 from shardtune.export import param_shapes, save_final, write_export_info
 from shardtune.metrics import MetricsLog
 from shardtune.model import build_model, build_tokenizer
+from shardtune.objective import SftObjective, build_objective
 from shardtune.parallelize import parallelize
+from shardtune.resume_check import fingerprint
 from shardtune.runtime import Runtime, all_reduce_max, init_runtime
 from shardtune.schedule import build_scheduler
 from shardtune.signals import EXIT_DIVERGED, EXIT_PREEMPTED, StopRequest
@@ -51,24 +54,27 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     batches: GlobalBatches
+    objective: SftObjective  # sft or dpo: the step's loss, batches and eval (objective.py)
     checkpoints: ckpt.CheckpointManager
     shapes: dict[str, Any]  # trainable parameter names -> shape/dtype, read before sharding (for export)
+    max_steps: int  # train.max_steps, or train.epochs over the training rows
 
 
 def train(recipe: Recipe) -> dict:
     run = setup(recipe)
     cfg, rt = recipe.train, run.rt
     start_step = resume(run)
-    log = MetricsLog(run.run_dir, max_steps=cfg.max_steps, enabled=rt.is_main, start_step=start_step,
-                     log_every=cfg.log_every)
+    max_steps = run.max_steps
+    log = MetricsLog(run.run_dir, max_steps=max_steps, enabled=rt.is_main, start_step=start_step,
+                     log_every=cfg.log_every, show_epoch=cfg.epochs is not None)
     tracker = _memory_tracker(cfg.profile_memory, rt.device)
     stop = StopRequest()
-    demo = run.data.eval_raw[: cfg.demo_eval_samples] if cfg.demo_eval else []
+    demo = demo_samples(run.data, cfg.demo_eval_samples, announce=rt.is_main) if cfg.demo_eval else []
     acc_before = exact_match(run.model, run.tok, demo, rt) if demo and start_step == 0 else None
     skipped = 0
 
     run.model.train()
-    for step in range(start_step, cfg.max_steps):
+    for step in range(start_step, max_steps):
         record = train_step(run, step, tracker)
         if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
             skipped += 1  # the optimizer did not step; the data moves on
@@ -80,14 +86,11 @@ def train(recipe: Recipe) -> dict:
                                       f"(loss={record['loss']}, grad_norm={record['grad_norm']}); last good "
                                       f"checkpoint: {run.checkpoints.latest_name() or 'none'}: lower train.lr or "
                                       f"set train.skip_nonfinite=N", EXIT_DIVERGED)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
-            ev = eval_loss(run.model, run.data.eval, rt, micro_batch_size=cfg.micro_batch_size,
-                           max_rows=cfg.eval_batches * run.batches.global_size)
-            if ev is not None:
-                record["eval_loss"] = ev
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == max_steps:
+            record.update(run.objective.evaluate(run.model, rt, global_size=run.batches.global_size))
         log.log(record)
         stopping = stop.agreed(rt.device)
-        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps or stopping):
+        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == max_steps or stopping):
             save_checkpoint(run, step + 1)
         if stopping:
             log.close(run.run_dir)
@@ -100,10 +103,12 @@ def train(recipe: Recipe) -> dict:
     if cfg.save_final:
         save_final(run.sharded, run.model, run.tok, run.run_dir / "final", is_main=rt.is_main)
     log.close(run.run_dir)
-    summary = {"final_loss": log.last_loss(), "accuracy_before": acc_before, "accuracy_after": acc_after}
+    summary = {"final_loss": log.last_loss(), "accuracy_before": acc_before, "accuracy_after": acc_after,
+               **run.objective.summary(log.history)}
     if rt.is_main:
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         log.print_summary(acc_before, acc_after)
+        run.objective.print_summary(summary)
     return summary
 
 
@@ -117,13 +122,29 @@ def setup(recipe: Recipe, *, simulated: bool = False) -> Run:
     shapes = param_shapes(model)
     sharded = parallelize(model, recipe, device=rt.device, world_size=rt.world_size)
     optimizer = build_optimizer(sharded, cfg)
-    scheduler = build_scheduler(cfg.schedule, optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps)
-    batches = GlobalBatches(data.train, micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
-                            world_size=rt.world_size, seed=cfg.seed)
+    objective = build_objective(recipe, data)
+    batches = objective.batches(world_size=rt.world_size)
+    max_steps = steps_for(cfg, num_rows=len(batches.rows), global_size=batches.global_size, announce=rt.is_main)
+    scheduler = build_scheduler(cfg.schedule, optimizer, warmup_steps=cfg.warmup_steps, total_steps=max_steps)
     run_dir = Path(cfg.output_dir)
     checkpoints = ckpt.CheckpointManager(run_dir, keep_last=cfg.keep_last, is_main=rt.is_main, rank=rt.rank,
                                          device=rt.device)
-    return Run(recipe, rt, run_dir, tok, data, model, sharded, optimizer, scheduler, batches, checkpoints, shapes)
+    return Run(recipe, rt, run_dir, tok, data, model, sharded, optimizer, scheduler, batches, objective, checkpoints,
+               shapes, max_steps)
+
+
+def steps_for(cfg: TrainConfig, *, num_rows: int, global_size: int, announce: bool) -> int:
+    """train.max_steps, or the steps train.epochs takes over `num_rows` training rows (the last one may be partial:
+    it wraps into the next epoch's order). A warmup as long as the run leaves the schedule in warmup: said once."""
+    steps = cfg.max_steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * num_rows / global_size))
+    assert steps is not None
+    if announce and cfg.epochs is not None:
+        print(f"train.epochs={cfg.epochs:g}: {steps} steps of {global_size} rows over {num_rows:,} training rows",
+              flush=True)
+    if announce and cfg.warmup_steps >= steps:
+        warnings.warn(f"train.warmup_steps={cfg.warmup_steps} >= the run's {steps} steps: the learning rate never "
+                      "leaves warmup; lower train.warmup_steps", stacklevel=2)
+    return steps
 
 
 def build_optimizer(sharded: ShardedModel, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -143,33 +164,40 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     comm0 = run.sharded.comm_bytes()
     if tracker is not None:
         tracker.reset_peak()
-    micro_batches, num_targets = run.batches.step(step, rt.rank)
-    # Summed on the device (float64: the same sum a Python float gave): a host read per micro-step would stop the
-    # CPU from running ahead into the next micro-step's gathers.
-    loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+    # DPO: reference log-probs and the held-out "before" eval when DPO starts
+    start = run.objective.before_step(run.model, rt, run.run_dir, step, global_size=run.batches.global_size)
+    micro_batches, norm = run.batches.step(step, rt.rank)
+    # Summed on the device (float64: the same sum a Python float gave), the loss first, then the objective's
+    # statistics: a host read per micro-step would stop the CPU from running ahead into the next micro-step's gathers.
+    sums: torch.Tensor | None = None
     for i, mb in enumerate(micro_batches):
         mb = mb.to(rt.device)
         # Reduce gradients on every micro-step, or only on the last one (unsharded grads kept meanwhile).
         run.sharded.set_requires_gradient_sync(run.recipe.engine.sync_every_microstep or i == len(micro_batches) - 1)
-        # Divide by the global target count: the sum over ranks and micro-steps is the global mean loss.
-        loss = token_loss_sum(run.model, mb.input_ids, mb.labels, mb.position_ids) / num_targets
+        # Divided by the global batch's target count (DPO: pair count): the sum over ranks and micro-steps is the
+        # global mean loss.
+        loss, mb_stats = run.objective.micro_loss(run.model, mb, norm)
         loss.backward()
-        loss_sum += loss.detach().double()
-    norm = run.sharded.clip_grad_norm_(cfg.max_grad_norm)  # global: identical on every rank
-    dist.all_reduce(loss_sum)
-    # The one host read of the step: the skip decision needs both values before the optimizer steps.
-    both = torch.stack([loss_sum, norm.detach().to(loss_sum.device, torch.float64)])
-    loss_global, grad_norm = accelerator.to_host(both).tolist()
+        part = torch.cat([loss.detach().double().view(1), mb_stats.detach().double()])
+        sums = part if sums is None else sums + part
+    assert sums is not None
+    grad_norm_t = run.sharded.clip_grad_norm_(cfg.max_grad_norm)  # global: identical on every rank
+    dist.all_reduce(sums)
+    # The one host read of the step: the skip decision needs the loss and the norm before the optimizer steps.
+    both = torch.cat([sums, grad_norm_t.detach().to(sums.device, torch.float64).view(1)])
+    *sums_global, grad_norm = accelerator.to_host(both).tolist()
+    loss_global, stats_global = sums_global[0], sums_global[1:]
     if math.isfinite(loss_global) and math.isfinite(grad_norm):  # every rank takes the same branch
         run.optimizer.step()
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     accelerator.synchronize(rt.device)  # the step's device work is done: step_time (and tokens/s) measure it
     step_time = time.perf_counter() - t0
-    tokens = run.batches.global_size * run.recipe.data.seq_len
-    record = {"step": step + 1, "loss": loss_global, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-              "tokens": tokens, "target_tokens": num_targets, "tokens_per_s": tokens / step_time,
-              "step_time_s": step_time}
+    tokens = run.batches.global_size * run.objective.rows_per_item * run.recipe.data.seq_len
+    record = {"step": step + 1, "epoch": round((step + 1) * run.batches.global_size / len(run.batches.rows), 4),
+              "loss": loss_global, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+              "tokens": tokens, run.objective.norm_key: norm, "tokens_per_s": tokens / step_time,
+              "step_time_s": step_time, **run.objective.metrics(stats_global, norm), **start}
     comm = run.sharded.comm_bytes()
     record["comm_bytes"] = comm - comm0 if comm0 >= 0 else None
     if tracker is not None:
@@ -179,7 +207,8 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
 
 def save_checkpoint(run: Run, step: int) -> None:
     state = run.sharded.checkpoint_state(run.optimizer)
-    info = {"world_size": run.rt.world_size, "backend": run.recipe.engine.backend, "lora": run.recipe.lora.enabled}
+    info = {"world_size": run.rt.world_size, "backend": run.recipe.engine.backend, "lora": run.recipe.lora.enabled,
+            "fingerprint": fingerprint(run.recipe, run.rt.world_size)}  # what resume_check.py compares
     run.checkpoints.save(step, state, run.scheduler, info,
                          write_hf=lambda d: write_export_info(run.model, run.tok, run.shapes, d))
 

@@ -1,20 +1,29 @@
 """Worker entry point: `python -m shardtune.worker RESOLVED_RECIPE.yaml` (what torchrun starts)."""
 from __future__ import annotations
 
+import faulthandler
+import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
+from shardtune.voice import one_line_warnings
 
 
 def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     """Train; a user error is printed (one line), or written to `error_file` when the launcher will print it."""
     from shardtune.train import TrainingStopped, train
 
+    one_line_warnings(rank=int(os.environ.get("RANK", "0")), others_to_log=error_file is not None)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    # DCP's own planner warns about its internal ShardedTensor path on every load (4 lines per resume): nothing a
+    # user can act on. Only that message, only from DCP.
+    warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning,
+                            module=r"torch\.distributed\.checkpoint")
     try:
         train(recipe)
     except TrainingStopped as e:  # preempted (checkpoint saved) or diverged: a message, a documented code
@@ -54,6 +63,22 @@ def _release_process_groups() -> None:
     gc.collect()
 
 
+def _stderr_to_log(path: Path) -> None:
+    """Send file descriptor 2 (torch's C++ warnings, native crash reports, faulthandler's stacks, an uncaught
+    traceback) to this rank's log, and keep `sys.stderr` (our messages, Python warnings) on the console. A rank
+    that fails only because a peer died (gloo: "Connection closed by peer") then prints nothing: the launcher's
+    one line names the rank that died first and points to the logs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    log = os.fdopen(os.dup(2), "w", buffering=1)
+    sys.stderr = console
+    sys.excepthook = lambda kind, value, tb: traceback.print_exception(kind, value, tb, file=log)
+    faulthandler.enable(file=log)  # Python stacks of a native crash (SIGSEGV, SIGABRT...) into the log
+
+
 def main() -> None:
     import argparse
 
@@ -61,6 +86,10 @@ def main() -> None:
     parser.add_argument("recipe", help="the resolved recipe.yaml the launcher wrote")
     parser.add_argument("--error-file", type=Path, default=None, help="write a user error here instead of stderr")
     args = parser.parse_args()
+    if args.error_file is not None:  # started by our launcher, which reports deaths from the ranks' logs
+        from shardtune.worker_deaths import rank_log
+
+        _stderr_to_log(rank_log(args.error_file.parent, int(os.environ.get("RANK", "0"))))
     try:
         recipe = load_recipe(args.recipe)
     except UserError as e:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from shardtune.config.load import load_recipe
 from shardtune.model import build_model
@@ -74,9 +75,45 @@ def test_lora_over_pretrained_checkpoint_loads_sharded(tmp_path):
     base.save_pretrained(tmp_path / "pre", max_shard_size="300KB")
     run_dir = tmp_path / "run"
     proc = cli(*train_args(run_dir, "model.init=pretrained", f"model.path={tmp_path / 'pre'}", "model.config=null",
-                           "train.max_steps=2", "train.save_every=0"), cwd=tmp_path)
+                           "train.max_steps=2"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         tuned = PeftModel.from_pretrained(base, str(run_dir / "final")).eval()(input_ids=ids).logits
     assert torch.isfinite(tuned).all() and all(math.isfinite(v) for v in losses(run_dir).values())
+    # --merge over a pretrained base streams its weights from the base's files (several, with an index)
+    proc = cli("export", str(run_dir / "checkpoints"), str(tmp_path / "merged"), "--merge", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged, tuned, rtol=0, atol=1e-5)
+
+
+def test_export_merge_is_base_plus_adapter(reference, tmp_path):
+    """--merge: full HF safetensors (split in files here, to test the streaming writer's index) that load with
+    from_pretrained alone and give the logits of the base with the adapter applied."""
+    out = tmp_path / "merged"
+    proc = cli("export", str(reference / "checkpoints"), str(out), "--merge", "--max-shard-size-mb", "1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "generation_config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    assert not (out / "adapter_config.json").exists()
+    ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base_model(), str(reference / "final")).eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
+
+
+def test_export_never_overwrites_without_force(reference, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"the base model the run started from")
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--force" in proc.stderr, proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    proc = cli("export", str(reference / "checkpoints"), str(out), "--force", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "adapter_model.safetensors").is_file() and (out / "notes.txt").read_text() == "mine"
+    assert not (out / "model.safetensors").exists()  # no stale model file beside the adapter

@@ -14,8 +14,10 @@ from shardtune.plan.accuracy import (
     DEMO_WORLDS,
     default_grid,
     demo_grid,
+    dpo_grid,
     qlora_grid,
     run,
+    vocab_grid,
 )
 
 
@@ -33,10 +35,20 @@ def test_plan_predicts_measured_peak_within_5_percent(tmp_path) -> None:
     # checkpointing on/off x bf16/fp32. All three tables share one spawn per world size.
     qlora = qlora_grid()
     assert len(qlora) >= 6 and {c.world for c in qlora} == {1, 2, 4}
-    rows = run(cases + demo + qlora, tmp_path)
+    # DPO (issue 24): 2 x micro-batch rows per forward, precomputed reference (full) / adapters-off forward (LoRA).
+    dpo = dpo_grid()
+    assert {c.world for c in dpo} == {1, 2} and any("lora" in c.name for c in dpo)
+    # Chunked loss and tiled NF4 (issue 21), each on and off, world 1/2/4 (an 8k vocabulary; the 32k table is
+    # bench/plan_accuracy.py --vocab).
+    vocab = vocab_grid(subset=True)
+    on_off = [any(f"{k}=0" in o for o in c.overrides) for c in vocab for k in ("train.loss_chunk_tokens",)]
+    assert len(vocab) >= 6 and any(on_off) and not all(on_off) and {c.world for c in vocab} == {1, 2, 4}
+    rows = run(cases + demo + qlora + dpo + vocab, tmp_path)
     tables = []
-    n, m = len(cases), len(cases) + len(demo)
-    for title, part in (("validation grid", rows[:n]), ("demo recipes", rows[n:m]), ("QLoRA", rows[m:])):
+    n, m, q, d = (len(cases), len(cases) + len(demo), len(cases) + len(demo) + len(qlora),
+                  len(cases) + len(demo) + len(qlora) + len(dpo))
+    for title, part in (("validation grid", rows[:n]), ("demo recipes", rows[n:m]), ("QLoRA", rows[m:q]),
+                        ("DPO", rows[q:d]), ("chunked loss / tiled NF4", rows[d:])):
         tables.append(f"{title}:\n" + "\n".join(f"{r['name']:<40} predicted {r['predicted']:>11,} measured "
                                                 f"{r['measured']:>11,} {r['error']:+.1%}" for r in part))
     print("\n\n".join(tables))

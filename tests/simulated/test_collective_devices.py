@@ -23,6 +23,7 @@ ON_DEVICE = {
     ("runtime.py", "all_reduce_sum"): "built with device=runtime device",
     ("runtime.py", "all_reduce_max"): "built with device=runtime device",
     ("signals.py", "agreed"): "built with device=runtime device",
+    ("objective.py", "_precompute"): "the DPO reference table, moved to the runtime device before the sum",
     ("train.py", "train_step"): "the step's loss sum, built with device=runtime device",
     ("plan/accuracy.py", "_worker"): "CPU only: plan's accuracy runs measure launch.device=cpu runs on gloo",
 }

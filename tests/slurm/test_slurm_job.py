@@ -5,6 +5,8 @@ shell, as `--signal=B:USR1@120` sends it) must checkpoint, requeue itself, resum
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -138,3 +140,47 @@ def _skip_requeue_delay(cluster, job_id: str, *, log, timeout_s: float = 180) ->
         assert "JobState=COMPLETED" not in show and "JobState=FAILED" not in show, f"not requeued:\n{log()[-4000:]}"
         time.sleep(0.3)
     raise AssertionError(f"job {job_id} was not requeued within {timeout_s}s:\n{log()[-4000:]}")
+
+
+def test_a_worker_killed_in_a_job_is_one_line(slurm_cluster, tmp_path_factory):
+    """As the OOM killer does on a node: SIGKILL one worker of the job's 2 (one per node). The job log gets our one
+    line (rank, host, signal, cause), no traceback from torchrun or from us; the job fails (that node's task exits
+    5), the other node's worker is stopped. (That the checkpoint written before such a kill resumes:
+    tests/integration/test_checkpoint.py, without a cluster's start-up cost.)"""
+    tmp = tmp_path_factory.mktemp("slurm-kill")
+    script, run = write_script(tmp, "train.save_every=2", "train.max_steps=100000")
+    submit = subprocess.Popen(["sbatch", "--parsable", "--wait", str(script)], cwd=tmp, env=slurm_cluster.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job_id = _wait_job_id(slurm_cluster, script.parent)
+        ckpt = run / "checkpoints" / "step_2" / "trainer.json"
+        deadline = time.monotonic() + 240
+        while not ckpt.exists():
+            assert submit.poll() is None and time.monotonic() < deadline, job_log(tmp, job_id)[-4000:]
+            time.sleep(0.2)
+        workers = _workers_of(run)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        submit.communicate(timeout=120)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    log = job_log(tmp, job_id)
+    assert "was killed by SIGKILL: probably the out-of-memory killer" in log, log[-4000:]
+    assert "Traceback" not in log and "ChildFailedError" not in log and "frame #" not in log, log[-4000:]
+    assert "task 0: Exited with exit code 5" in log or "task 1: Exited with exit code 5" in log, log[-4000:]
+    assert slurm_cluster.job_state(job_id) == "FAILED"  # the other node's task: stopped by srun (SIGTERM: 143)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+
+
+def _workers_of(run: Path) -> list[int]:
+    """The training workers (not torchrun's agent, which names the worker module too) of this run."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if "shardtune.worker" in cmd and "shardtune.agent" not in cmd and str(run) in cmd:
+            found.append(int(proc.name))
+    return sorted(found)

@@ -12,7 +12,8 @@ from tests.unit.cli_helpers import run_cli
 INT_MIN1 = ["train.micro_batch_size", "train.grad_accum", "train.max_steps", "train.log_every", "lora.r",
             "launch.nnodes"]
 NON_NEG = ["train.warmup_steps", "train.eval_every", "train.save_every", "train.weight_decay",
-           "train.max_grad_norm", "train.keep_last", "train.skip_nonfinite", "launch.max_restarts"]
+           "train.max_grad_norm", "train.keep_last", "train.skip_nonfinite", "train.loss_chunk_tokens",
+           "engine.nf4_tile_mb", "launch.max_restarts"]
 CHOICES = {"engine.backend": ["shardtune", "torch"], "engine.strategy": ["full_shard", "shard_grad_op", "no_shard",
            "hybrid_shard"], "engine.mixed_precision": ["fp32", "bf16"], "engine.reduce_dtype": ["fp32", "bf16"],
            "data.format": ["text", "instruction", "chat"], "train.schedule": ["cosine", "linear", "constant"],

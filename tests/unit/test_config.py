@@ -56,8 +56,8 @@ def test_recipes_command_lists_bundled(capsys):
 
 
 # The public surface changes only on purpose: update these sets together with the docs.
-EXPECTED_COMMANDS = {"train", "validate", "recipes", "export", "slurm", "plan", "prepare"}
-EXPECTED_SECTIONS = {"description", "model", "lora", "engine", "data", "train", "launch", "hardware"}
+EXPECTED_COMMANDS = {"train", "validate", "recipes", "export", "slurm", "plan", "prepare", "keys", "generate", "chat"}
+EXPECTED_SECTIONS = {"description", "model", "lora", "engine", "data", "train", "dpo", "launch", "hardware"}
 
 
 def test_public_surface_snapshot():
@@ -71,9 +71,13 @@ def test_public_surface_snapshot():
               "lora.target_modules", "engine.backend", "engine.strategy", "engine.hybrid_shard_size", "engine.wrap",
               "engine.mixed_precision", "engine.reduce_dtype", "engine.activation_checkpointing", "engine.cpu_offload",
               "engine.prefetch", "engine.backward_schedule", "data.path", "data.format", "data.seq_len", "data.packing", "data.cache_dir", "train.output_dir",
+              "data.text_field", "data.prompt_field", "data.input_field", "data.response_field", "data.template",
+              "data.messages_field", "data.chat_style", "data.train_on_inputs", "model.chat_template", "train.epochs",
               "train.micro_batch_size", "train.grad_accum", "train.max_steps", "train.lr", "train.schedule",
               "train.warmup_steps", "train.weight_decay", "train.max_grad_norm", "train.seed", "train.eval_every",
-              "train.save_every", "train.profile_memory", "launch.nproc_per_node", "launch.nnodes", "launch.device",
+              "train.save_every", "train.profile_memory", "train.loss_chunk_tokens", "engine.nf4_tile_mb", "train.objective", "data.chosen_field", "data.rejected_field",
+              "dpo.beta", "dpo.loss", "dpo.label_smoothing", "dpo.precompute_reference", "dpo.sft_warmup_steps",
+              "launch.nproc_per_node", "launch.nnodes", "launch.device",
               "hardware.gpu", "hardware.num_gpus", "hardware.host_ram_gb"]:
         assert k in keys, k
 

@@ -34,6 +34,16 @@ BAD_OVERRIDES = [
     (["train.resume=/nonexistent/step_5"], "train.resume"),  # not a complete checkpoint
     (["lora.quantize_base=nf4"], "lora.quantize_base"),  # QLoRA without LoRA
     (["lora.enabled=true", "lora.quantize_base=int3"], "lora.quantize_base"),  # not a choice
+    (["train.objective=dpo"], "train.objective"),  # dpo needs data.format=preference
+    (["data.format=preference"], "data.format"),  # preference rows need train.objective=dpo
+    (["train.objective=ppo"], "train.objective"),
+    (["train.objective=dpo", "data.format=preference", "dpo.loss=kto"], "dpo.loss"),
+    (["train.objective=dpo", "data.format=preference", "dpo.loss=ipo", "dpo.label_smoothing=0.1"],
+     "dpo.label_smoothing"),  # smoothing has a meaning for sigmoid only
+    (["train.objective=dpo", "data.format=preference", "dpo.precompute_reference=false"],
+     "dpo.precompute_reference"),  # full fine-tuning has no adapters to switch off
+    (["train.objective=dpo", "data.format=preference", "train.demo_eval=true"], "train.demo_eval"),
+    (["data.prompt_field=[instruction,input]"], "data.input_field"),  # Alpaca's two columns as one list
     (["engine.wrap=[NoSuchLayer]"], None),  # checked when the model is built; validate accepts class names
 ]
 

@@ -22,7 +22,7 @@ TOK = build_char_tokenizer()
 
 def test_instruction_masks_prompt():
     ids, labels = encode_row({"prompt": "reverse ab=", "response": "ba"}, DataConfig(format="instruction"), TOK)
-    n_prompt = 1 + len("reverse ab=")  # bos + prompt characters
+    n_prompt = 1 + len("reverse ab=\n")  # bos + prompt characters + the plain template's separator
     assert labels[:n_prompt] == [IGNORE] * n_prompt
     assert labels[n_prompt:] == ids[n_prompt:] == TOK("ba", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
 
@@ -143,7 +143,7 @@ def test_data_problems_are_clear(tmp_path):
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(UserError, match="data.path"):
+    with pytest.raises(UserError, match="data.path: .* is empty: give a file with at least one row"):
         build_data(DataConfig(path=str(empty), format="text"), TOK, seed=0)
     latin = tmp_path / "latin.txt"
     latin.write_bytes("caf\xe9 au lait\n".encode("latin-1") * 5)
@@ -151,7 +151,7 @@ def test_data_problems_are_clear(tmp_path):
         build_data(DataConfig(path=str(latin), format="text"), TOK, seed=0)
     long_rows = tmp_path / "long.jsonl"
     long_rows.write_text("".join(json.dumps({"text": "x" * 100}) + "\n" for _ in range(10)))
-    with pytest.warns(UserWarning, match="10 documents longer than data.seq_len=16 were truncated"):
+    with pytest.warns(UserWarning, match=r"10 \(train 10, eval 0\) documents longer than data.seq_len=16 were truncated"):
         build_data(DataConfig(path=str(long_rows), format="text", seq_len=16, eval_fraction=0.0), TOK, seed=0)
     prompts_only = tmp_path / "prompts.jsonl"
     prompts_only.write_text("".join(json.dumps({"prompt": "p" * 40, "response": "r"}) + "\n" for _ in range(4)))

@@ -78,9 +78,9 @@ def test_cached_rows_equal_the_in_memory_reference(tmp_path, fmt, packing):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         data = build_data(cfg, TOK, seed=1)
-    truncated = refs["train"].num_truncated
-    assert [str(w.message) for w in caught] == ([f"{truncated} documents longer than data.seq_len=32 were "
-                                                 "truncated"] if truncated else [])
+    t, e = refs["train"].num_truncated, refs["eval"].num_truncated
+    assert [str(w.message) for w in caught] == ([f"{t + e} (train {t}, eval {e}) documents longer than "
+                                                 "data.seq_len=32 were truncated"] if t + e else [])
     for split, ref in refs.items():
         got = getattr(data, split)
         assert len(got) == len(ref) > 0
@@ -174,7 +174,7 @@ def test_killed_build_leaves_no_trusted_cache(tmp_path):
 
 
 # step 0 of builtin:reverse (seed 0, 40 samples, seq_len 48, packed): two documents in the first row
-PINNED_ROW = "<s>reverse haae=eaah</s><s>reverse feafh=hfaef</s>" + "<pad>" * 8
+PINNED_ROW = "<s>reverse haae=\neaah</s><s>reverse feafh=\nhfaef</s>" + "<pad>" * 6  # the plain template's "\n"
 PINNED_STEPS = {0: [2, 10, 3, 12], 5: [13, 15, 9, 4]}
 
 
@@ -188,7 +188,7 @@ def test_batches_are_a_pure_function_of_seed_and_step(tmp_path):
     ids, labels, pos = data.train.take(PINNED_STEPS[0][:1])
     assert TOK.decode(ids[0]) == PINNED_ROW
     assert TOK.decode([t for t, lab in zip(ids[0], labels[0]) if lab != IGNORE]) == "eaah</s>hfaef</s>"
-    assert pos[0, 19] == 0 and pos[0, 40] == 0  # positions restart at the second document and at the padding
+    assert pos[0, 20] == 0 and pos[0, 42] == 0  # positions restart at the second document and at the padding
 
     def global_batch(data, world, accum, step):  # what all ranks of a world train on at `step`, in order
         gb = GlobalBatches(data.train, micro_batch_size=1, grad_accum=accum, world_size=world, seed=0)
@@ -235,6 +235,8 @@ def test_prepare_cli_prints_stats_and_bad_data_exits_2(tmp_path):
                  f"tokens: {stats['tokens']:,} train ({stats['target_tokens']:,} with a loss)",
                  "truncated documents", "packing efficiency:", "document length"):
         assert text in out, out
+    counts = out.split("truncated documents (longer than data.seq_len=32): ")[1].split("\n")[0]
+    assert (f"{counts} documents longer" in err) == (counts.split()[0] != "0"), (out, err)  # the same counts
 
     _, err = bad_proc.communicate(timeout=300)
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]

@@ -86,7 +86,7 @@ def test_detected_card_selects_profile_and_its_memory(monkeypatch, name, mib, ke
     monkeypatch.setattr(preflight, "detect_gpu", lambda: (name, mib * 2**20))
     cfg = load_recipe_config("llama-3.1-8b-lora-1x24gb", ["launch.device=cuda"])
     recipe = to_recipe(cfg)
-    plan = preflight.plan_on_detected(cfg, recipe, 1, preflight.detect("cuda"))
+    plan = preflight.plan_on_detected(cfg, recipe, 1, preflight.detect(recipe))
     assert plan.hardware.key == (key or recipe.hardware.gpu)
     assert plan.capacity == mib * 2**20 and plan.hardware.name == name and plan.setup.world == 1
 
@@ -96,3 +96,32 @@ def test_nvidia_smi_output_is_parsed(monkeypatch):
     done = subprocess.CompletedProcess([], 0, stdout="NVIDIA H100 80GB HBM3, 81559\nNVIDIA H100 80GB HBM3, 81559\n")
     monkeypatch.setattr(preflight.subprocess, "run", lambda *a, **k: done)
     assert preflight.detect_gpu() == ("NVIDIA H100 80GB HBM3", 81559 * 2**20)
+
+
+def test_a_recipe_claiming_more_host_ram_than_present_is_judged_on_this_machine(tmp_path, capsys, torchrun):
+    """The 8B recipe's hardware block describes a 1 TiB node (for `plan`); on this machine with launch.device=cpu its
+    95 GiB/rank peak does not fit: exit 3 before any worker starts, and the line says why."""
+    present = preflight.host_ram_bytes()
+    if present > 190 * 2**30:  # 2 workers x 95 GiB would fit on such a host
+        pytest.skip("this host has enough RAM for the 8B recipe on CPU")
+    run = tmp_path / "run"
+    args = ["train", "llama-3.1-8b-full-8x80gb", "launch.device=cpu", f"train.output_dir={run}"]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 3 and torchrun == [] and not run.exists()
+    assert "does NOT fit" in out and "hardware.host_ram_gb=1024 is more than the" in out and "present" in out
+    # the same value given on the command line is taken on trust
+    code, out, _ = run_cli([*args, "hardware.host_ram_gb=1024"], capsys)
+    assert code == 0 and len(torchrun) == 1 and "fits" in out and "taken on trust" in out
+
+
+def test_plan_keeps_the_recipes_hardware_block(capsys):
+    code, out, _ = run_cli(["plan", "llama-3.1-8b-full-8x80gb", "--json"], capsys)
+    assert code == 0 and '"host"' in out and "present" not in out
+
+
+@pytest.mark.parametrize(("claimed", "trusted", "expect", "note"), [
+    (None, False, 8, ""), (4.0, False, 4, ""), (64.0, False, 8, "more than the 8.0 GiB present"),
+    (64.0, True, 64, "taken on trust")])
+def test_judged_host_ram(claimed, trusted, expect, note):
+    ram, why = preflight.judged_host_ram(claimed, 8 * 2**30, trusted=trusted)
+    assert ram == expect * 2**30 and note in why and (why == "") == (note == "")

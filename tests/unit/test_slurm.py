@@ -40,6 +40,7 @@ def test_script_has_the_job_and_the_same_environment(tmp_path, capsys, monkeypat
     assert prepare < text.index(" train tiny-cpu") and "train.max_steps=7" in text[prepare:text.index(" train tiny-cpu")]
     assert "train.max_steps=7" in text and f"train.output_dir={(tmp_path / 'runs/x').resolve()}" in text
     assert "launch.nproc_per_node=2" in text and "launch.device=cpu" in text  # tiny-cpu: 2 CPU workers per node
+    assert "(cpu, world 6)" in text and "rtx4090" not in text  # planned on host memory, not the recipe's GPU
     # Rendezvous at the first node of the allocation, port from the job id (the same formula as in Python).
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
     assert "RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 10000 ))" in text and rendezvous_port(123) == 20123

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardtune.checkpoint.paths import TRAINER_FILE, require_complete
+from shardtune.checkpoint.paths import TRAINER_FILE, latest_checkpoint
+from shardtune.checkpoint.writer import write_safetensors
 from shardtune.errors import UserError
 from shardtune.lora import ADAPTER_WEIGHTS, save_adapter
 
@@ -30,9 +30,7 @@ def _read_tensor(ckpt: Path, key: str, meta: TensorStorageMetadata) -> torch.Ten
 def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024**3,
                       progress: Callable[[int, int, str], None] | None = None) -> list[Path]:
     """`progress(done_bytes, total_bytes, file_name)` after each tensor is read and after each file is written."""
-    if (ckpt / "latest").is_file():  # a checkpoints/ folder: take its newest
-        ckpt = ckpt / (ckpt / "latest").read_text().strip()
-    require_complete(ckpt, "export", "point it at <output_dir>/checkpoints/step_N")
+    ckpt = latest_checkpoint(ckpt)
     info = json.loads((ckpt / TRAINER_FILE).read_text())
     shapes = json.loads((ckpt / "hf" / "params.json").read_text())
     metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -42,43 +40,14 @@ def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024*
         raise UserError(f"export: no model tensors in '{ckpt}'")
     if info.get("lora"):
         return [_export_adapter(ckpt, out, keys, metadata, shapes)]
-    out.mkdir(parents=True, exist_ok=True)
 
-    # Plan the files first (sizes are in the metadata), so names can say "-of-N" while streaming.
-    files: list[list[str]] = [[]]
-    size = 0
-    total = 0
-    for k in keys:
-        m = metadata[k]
-        n = m.size.numel() * m.properties.dtype.itemsize
-        if files[-1] and size + n > max_shard_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(k)
-        size += n
-        total += n
-    names = (["model.safetensors"] if len(files) == 1 else
-             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
-    weight_map = {}
-    written = []
-    done = 0
-    for fname, group in zip(names, files):
-        tensors = {}
-        for k in group:
-            name = k[len(prefix):]
-            tensors[name] = _read_tensor(ckpt, k, metadata[k]).view(shapes[name]["shape"])
-            weight_map[name] = fname
-            done += tensors[name].numel() * tensors[name].element_size()
-            if progress is not None:
-                progress(done, total, "")
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        written.append(out / fname)
-        if progress is not None:
-            progress(done, total, fname)
-        del tensors  # only one output file is ever held
-    if len(files) > 1:
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    def reader(k: str) -> Callable[[], torch.Tensor]:
+        name = k[len(prefix):]
+        return lambda: _read_tensor(ckpt, k, metadata[k]).view(shapes[name]["shape"])
+
+    items = [(k[len(prefix):], metadata[k].size.numel() * metadata[k].properties.dtype.itemsize, reader(k))
+             for k in keys]
+    written = write_safetensors(items, out, max_shard_bytes=max_shard_bytes, progress=progress)
     for p in (ckpt / "hf").iterdir():
         if p.name != "params.json":
             shutil.copy(p, out / p.name)
@@ -90,8 +59,7 @@ def _export_adapter(ckpt: Path, out: Path, keys: list[str], metadata: dict, shap
     if not (ckpt / "hf" / "adapter_config.json").is_file():
         raise UserError(f"export: '{ckpt}' says lora=true but has no hf/adapter_config.json: it was written by an "
                         "older shardtune; re-save it with this version")
-    tensors = {k.removeprefix("replicated."): _read_tensor(ckpt, k, metadata[k]) for k in keys}
-    tensors = {n: t.view(shapes[n]["shape"]) for n, t in tensors.items()}
+    tensors = _adapter_tensors(ckpt, keys, metadata, shapes)
     from peft import LoraConfig  # only LoRA checkpoints need peft
 
     save_adapter(tensors, LoraConfig.from_pretrained(str(ckpt / "hf")), out)
@@ -99,3 +67,17 @@ def _export_adapter(ckpt: Path, out: Path, keys: list[str], metadata: dict, shap
         if p.name not in ("params.json", "adapter_config.json", "config.json"):
             shutil.copy(p, out / p.name)  # the tokenizer
     return out / ADAPTER_WEIGHTS
+
+
+def _adapter_tensors(ckpt: Path, keys: list[str], metadata: dict, shapes: dict) -> dict[str, torch.Tensor]:
+    tensors = {k.removeprefix("replicated."): _read_tensor(ckpt, k, metadata[k]) for k in keys}
+    return {n: t.view(shapes[n]["shape"]) for n, t in tensors.items()}
+
+
+def adapter_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """{our parameter name: full tensor} of a LoRA checkpoint's adapters (small: read whole)."""
+    shapes = json.loads((ckpt / "hf" / "params.json").read_text())
+    metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    keys = [k for k in metadata if k.startswith("replicated.") and k[len("replicated."):] in shapes]
+    return _adapter_tensors(ckpt, keys, metadata, shapes)
+

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from shardtune import accelerator
-from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, is_complete
+from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, is_complete, newest_complete
 
 
 def _fsync_tree(path: Path) -> None:
@@ -64,23 +64,16 @@ def _barrier() -> None:
 
 
 def find_resume_dir(output_dir: Path, resume: str, *, is_main: bool) -> Path | None:
-    """`auto`: the newest complete checkpoint in output_dir (None if there is none); `none`: None; else a path."""
-    if resume != "auto":
+    """`auto`/`force`: the newest complete checkpoint in output_dir (None if there is none); `none`: None; else a
+    path. (`force` differs only in the launcher's checks: resume_check.py.)"""
+    if resume not in ("auto", "force"):
         return explicit_resume_dir(resume)  # None for "none"
     root = output_dir / "checkpoints"
-    if not root.is_dir():
-        return None
-    for tmp in sorted(root.glob(".tmp-*")):
+    for tmp in sorted(root.glob(".tmp-*")) if root.is_dir() else []:
         if is_main:
             warnings.warn(f"ignoring incomplete checkpoint {tmp} (a save was interrupted); removing it", stacklevel=2)
             shutil.rmtree(tmp, ignore_errors=True)
-    latest = root / "latest"
-    if latest.is_file():
-        d = root / latest.read_text().strip()
-        if is_complete(d):
-            return d
-    done = sorted((d for d in root.glob("step_*") if is_complete(d)), key=lambda d: int(d.name.split("_")[1]))
-    return done[-1] if done else None
+    return newest_complete(root)
 
 
 class CheckpointManager:

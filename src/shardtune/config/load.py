@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import __version__ as omegaconf_version
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from shardtune.bundled import DATA_DIR, RECIPES_DIR
+from shardtune.config.model_folder import apply_model_folder
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
 
@@ -72,13 +73,20 @@ def _friendly(err: Exception, source: str) -> UserError:
     if isinstance(err, ConfigKeyError) or "not in" in msg or "Key '" in msg and "not" in msg:
         bad = key or (re.findall(r"Key '([^']+)'", msg) or ["?"])[0]
         hint = difflib.get_close_matches(bad, recipe_keys(), n=1)
-        fix = f"did you mean '{hint[0]}'?" if hint else "see `shardtune validate --help` for the keys"
+        fix = (f"did you mean '{hint[0]}'? " if hint else "") + "(`shardtune keys` lists every key)"
         return UserError(f"{source}: unknown recipe key '{bad}': {fix}")
     if isinstance(err, InterpolationResolutionError):
         return UserError(f"{source}: key '{key}': cannot resolve interpolation ({msg})")
+    if key in _ONE_COLUMN and "ListConfig" in msg:  # Alpaca's instruction + input as one list of fields
+        return UserError(f"{source}: key '{key}' names one column, got a list: put the extra context's column in "
+                         "data.input_field (format=instruction), or combine the columns in the file")
     if key:
         return UserError(f"{source}: key '{key}': {msg}")
     return UserError(f"{source}: {msg}")
+
+
+_ONE_COLUMN = ("data.prompt_field", "data.response_field", "data.input_field", "data.text_field",
+               "data.messages_field", "data.chosen_field", "data.rejected_field")
 
 
 def _parse_overrides(overrides: list[str]) -> DictConfig:
@@ -91,8 +99,17 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         raise UserError(f"overrides: {str(e).splitlines()[0]}: write KEY=VALUE, e.g. train.lr=1e-4") from None
 
 
+def _path_keys(cfg: DictConfig) -> list[str]:
+    """PATH_KEYS, with `data.path` as `data.path[i].path` when it is a list of datasets."""
+    data_path = OmegaConf.select(cfg, "data.path")
+    if not isinstance(data_path, ListConfig):
+        return list(PATH_KEYS)
+    items = [f"data.path[{i}].path" for i, e in enumerate(data_path) if isinstance(e, DictConfig) and "path" in e]
+    return [k for k in PATH_KEYS if k != "data.path"] + items
+
+
 def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
-    for key in PATH_KEYS:
+    for key in _path_keys(cfg):
         value = OmegaConf.select(cfg, key)
         if value is None:
             continue
@@ -109,10 +126,10 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
 
 
 def _check_builtin(key: str, value: str) -> None:
-    from shardtune.data.synthetic import TASKS
+    from shardtune.data.synthetic import names as builtin_names
 
     name = value.split(":", 1)[1]
-    known = {"data.path": sorted(TASKS), "model.tokenizer": ["char"]}.get(key, [])
+    known = {"data.path": builtin_names(), "model.tokenizer": ["char"]}.get(key.split("[")[0], [])
     if name not in known:
         raise UserError(f"{key}: unknown '{value}': choose from {['builtin:' + k for k in known]} or a path")
 
@@ -123,7 +140,7 @@ def load_recipe_config(recipe: str | Path, overrides: list[str] = ()) -> DictCon
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]}): fix the syntax") from None
+        raise UserError(f"{path}: {_yaml_problem(e)}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -142,8 +159,36 @@ def load_recipe_config(recipe: str | Path, overrides: list[str] = ()) -> DictCon
     except OmegaConfBaseException as e:
         raise _friendly(e, str(path)) from None
     _resolve_paths(cfg, path.parent)
-    to_recipe(cfg, str(path))  # validates ranges and conflicts
+    apply_model_folder(cfg, list(overrides))  # model.path=DIR brings its config and tokenizer
+    try:
+        to_recipe(cfg, str(path))  # validates ranges and conflicts
+    except UserError as e:  # a bad value given on the command line is the command line's fault, not the file's
+        key = _offending_override(str(e), str(path), list(overrides))
+        if key is None:
+            raise
+        raise UserError(f"override {key}: {str(e)[len(str(path)) + 2:]}") from None
     return cfg
+
+
+def _offending_override(message: str, source: str, overrides: list[str]) -> str | None:
+    """The KEY=VALUE override whose key the validation message starts with ("SOURCE: key: ..."), if any."""
+    if not message.startswith(source + ": "):
+        return None
+    named = message[len(source) + 2:].split(":", 1)[0].split(" ", 1)[0].split("[", 1)[0]
+    for o in overrides:
+        if o.split("=", 1)[0].lstrip("+~") == named:
+            return o
+    return None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML syntax error as 'line L, column C: problem: fix', naming a tab (YAML forbids tabs in indentation)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if "\\t" in problem or "tab" in problem:
+        return f"{where}not valid YAML ({problem}): indent with spaces, not tabs"
+    return f"{where}not valid YAML ({problem}): fix the syntax"
 
 
 def to_recipe(cfg: DictConfig, source: str = "recipe") -> Recipe:

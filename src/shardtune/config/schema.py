@@ -27,12 +27,21 @@ class ModelConfig:
     # fp32 adapters); full fine-tuning in bf16 is an error: use fp32 + engine.mixed_precision=bf16 (bf16 compute).
     dtype: str = "fp32"
     attn_implementation: str = "sdpa"  # sdpa | eager
+    # data.format=chat: a bundled chat template (chatml, plain) or a Jinja string; null = the tokenizer's own.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.init in ("random", "pretrained"), "model.init", f"must be random or pretrained, got {self.init!r}")
         _check(self.dtype in ("fp32", "bf16"), "model.dtype", f"must be fp32 or bf16, got {self.dtype!r}")
         _check(self.attn_implementation in ("sdpa", "eager"), "model.attn_implementation",
                f"must be sdpa or eager, got {self.attn_implementation!r}")
+        if self.chat_template is not None:
+            from shardtune.data.templates import chat_template_source
+
+            try:
+                chat_template_source(self.chat_template)
+            except ValueError as e:
+                raise ValueError(f"model.chat_template: {e}") from None
 
 
 @dataclass(kw_only=True)
@@ -40,8 +49,8 @@ class LoraConfig:
     enabled: bool = False  # inject LoRA adapters (replicated) over a frozen, sharded base
     r: int = 16  # adapter rank: memory and capacity grow with it
     alpha: int = 32  # scale = alpha / r
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    dropout: float = 0.0  # dropout on the adapters' input during training
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # module names that get adapters
     # nf4 = QLoRA: the frozen Linear weights of the decoder blocks (LoRA-targeted or not) are stored, sharded and
     # all-gathered in 4-bit NF4 (~0.52 B/weight vs 2: ~3.9x less base memory and all-gather traffic), dequantized
     # per matmul (+1 bf16 weight temporary, ~+10-30% step time); embeddings, norms and lm_head stay in
@@ -71,6 +80,10 @@ class EngineConfig:
     # overlap (FSDP2's: the previous unit gathered at once, +1 unit of backward memory) | staggered (a reduction
     # then the gather, each over half a unit: lower peak) | auto = overlap on a GPU, staggered on CPU
     backward_schedule: str = "auto"
+    # QLoRA: an NF4 weight's matmuls dequantize tiles of output rows of at most this many MB (compute dtype) into a
+    # reused buffer, forward and backward, instead of the whole weight (+~14 B/weight of torchao temporaries).
+    # 0 = off: torchao's whole-weight linear_nf4 (today's path).
+    nf4_tile_mb: float = 64.0
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")
@@ -88,6 +101,7 @@ class EngineConfig:
         _check(w == "auto" or (isinstance(w, (list, tuple)) and all(isinstance(x, str) for x in w)) or
                (isinstance(w, int) and not isinstance(w, bool) and w > 0),
                "engine.wrap", f"must be auto, a list of module class names, or a minimum unit size in params, got {w!r}")
+        _check(self.nf4_tile_mb >= 0, "engine.nf4_tile_mb", f"must be >= 0 (0: off), got {self.nf4_tile_mb}")
         if self.hybrid_shard_size is not None:
             _check(self.hybrid_shard_size >= 1, "engine.hybrid_shard_size", f"must be >= 1, got {self.hybrid_shard_size}")
 
@@ -103,14 +117,24 @@ def check_world(engine: EngineConfig, world_size: int, local_world_size: int | N
 
 @dataclass(kw_only=True)
 class DataConfig:
-    path: str | None = None  # jsonl/json/parquet/txt file or folder, a saved datasets dir, or builtin:NAME
-    format: str = "text"  # text | instruction | chat
-    text_field: str = "text"  # column for format=text
-    prompt_field: str = "prompt"  # columns for format=instruction
-    response_field: str = "response"
-    messages_field: str = "messages"  # column for format=chat
+    # A jsonl/json/parquet/txt/csv file or folder, a saved datasets dir, or builtin:NAME; or a list of datasets
+    # [{path, weight, format, <field keys>...}] mixed by weight (unset keys of an entry come from data.*).
+    path: Any = None
+    # text | instruction (prompt/response pairs, prompt masked) | chat (messages) | preference (rows
+    # {prompt, chosen, rejected}, for train.objective=dpo)
+    format: str = "text"
+    text_field: str = "text"  # format=text: the column holding the document
+    prompt_field: str = "prompt"  # format=instruction: the instruction column (Alpaca's `instruction` is found)
+    input_field: str = "input"  # format=instruction: optional extra context (Alpaca's `input`), after the prompt
+    response_field: str = "response"  # format=instruction: the answer column (Alpaca's `output` is found)
+    template: str = "plain"  # format=instruction: plain | alpaca | chatml, or a string with {prompt} and {input}
+    messages_field: str = "messages"  # format=chat: the list of turns (ShareGPT's `conversations` is found)
+    chat_style: str = "auto"  # format=chat: auto | openai ({role, content}) | sharegpt ({from, value})
+    chosen_field: str = "chosen"  # format=preference: the preferred response column (strings or message lists)
+    rejected_field: str = "rejected"  # format=preference: the dispreferred response column
+    train_on_inputs: bool = False  # also take the loss on prompts / user turns (default: responses only)
     seq_len: int = 512  # tokens per sample after packing/padding
-    packing: bool = True  # concatenate documents to seq_len (position ids reset per document)
+    packing: bool = True  # concatenate documents to seq_len (position ids reset per document); never for preference pairs
     eval_fraction: float = 0.05  # held-out share of the data for eval_loss
     num_samples: int = 2000  # size of a generated builtin:* dataset
     cache_dir: str | None = None  # tokenized Arrow cache, shared by ranks and runs (default: <output_dir>/data_cache)
@@ -118,8 +142,9 @@ class DataConfig:
     prepare_timeout_min: int = 120  # how long other ranks wait for rank 0's cache build before giving up
 
     def __post_init__(self) -> None:
-        _check(self.format in ("text", "instruction", "chat"), "data.format",
-               f"must be text, instruction or chat, got {self.format!r}")
+        from shardtune.data.sources import check_data_config
+
+        check_data_config(self)
         _check(self.seq_len >= 8, "data.seq_len", f"must be >= 8, got {self.seq_len}")
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
         _check(self.num_samples >= 1, "data.num_samples", f"must be >= 1, got {self.num_samples}")
@@ -132,35 +157,53 @@ class TrainConfig:
     output_dir: str = "runs/run"  # the run directory (metrics, checkpoints, final model)
     micro_batch_size: int = 1  # samples per rank per forward pass
     grad_accum: int = 1  # micro-steps per optimizer step; global batch = micro_batch_size * world * grad_accum
-    max_steps: int = 100  # optimizer steps
-    lr: float = 2e-4
+    max_steps: int | None = None  # optimizer steps (null with train.epochs; 100 when neither is set)
+    epochs: float | None = None  # passes over the training rows instead of max_steps (exactly one of the two)
+    lr: float = 2e-4  # peak learning rate (AdamW), reached after warmup_steps
     schedule: str = "cosine"  # cosine | linear | constant
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # steps of linear warmup from 0 to lr (must be < max_steps)
     weight_decay: float = 0.0  # AdamW decoupled decay; never applied to norms and biases
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
+    eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # 0 disables clipping
-    seed: int = 0
+    seed: int = 0  # seeds the random init, data shuffling and the data split
     eval_every: int = 0  # steps between eval_loss lines (0: only at the end when eval data exists)
     eval_batches: int = 4  # batches per eval
     save_every: int = 0  # steps between sharded checkpoints, plus one at the end (0: none)
     keep_last: int = 0  # complete checkpoints to keep (0: all)
-    resume: str = "auto"  # auto = newest complete checkpoint in output_dir | none | a checkpoints/step_N path
+    # auto = newest complete checkpoint in output_dir (refused when it was trained on other data: exit 2) |
+    # force = the same, continued on this recipe's data/objective | none | a checkpoints/step_N path
+    resume: str = "auto"
     skip_nonfinite: int = 0  # steps with a NaN/inf loss or grad norm to skip (then stop); 0: stop at the first
     # Steps between plain progress lines when stdout is not a terminal (log file, SLURM output); step 1, eval steps
     # and the last step are printed too: the 300-step demo prints 19 lines. On a terminal a live display updates
     # every step instead. metrics.jsonl always has every step.
     log_every: int = 20
     profile_memory: bool = False  # CPU: peak live tensor bytes; CUDA: max_memory_allocated
-    demo_eval: bool = False  # print held-out exact-match accuracy before and after training (builtin tasks)
-    demo_eval_samples: int = 64
+    demo_eval: bool = False  # held-out exact-match accuracy before and after (format=instruction; else skipped)
+    demo_eval_samples: int = 64  # held-out prompts decoded by demo_eval
     save_final: bool = True  # write final/ (HF format, or a PEFT adapter with LoRA)
+    # sft: next-token loss on the targets | dpo: preference pairs (data.format=preference; see the dpo section).
+    # With dpo, micro_batch_size counts pairs: each forward runs 2 x micro_batch_size rows (chosen + rejected).
+    objective: str = "sft"
+    # Tokens per chunk of the fused head projection + cross-entropy (loss.py): only C*V logits ever exist instead of
+    # b*s*V (compute dtype + fp32 + fp32 gradient). 0 = off: today's path, full logits.
+    loss_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
-        for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "eval_batches", "demo_eval_samples"):
+        _check(self.objective in ("sft", "dpo"), "train.objective", f"must be sft or dpo, got {self.objective!r}")
+        _check(self.max_steps is None or self.epochs is None, "train.epochs",
+               f"and train.max_steps are both set ({self.epochs} and {self.max_steps}): keep one, set the other to null")
+        if self.epochs is None and self.max_steps is None:
+            self.max_steps = 100
+        if self.epochs is not None:
+            _check(self.epochs > 0, "train.epochs", f"must be > 0, got {self.epochs}")
+        if self.max_steps is not None:
+            _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
+        for key in ("micro_batch_size", "grad_accum", "log_every", "eval_batches", "demo_eval_samples"):
             _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "keep_last",
-                    "skip_nonfinite"):
+                    "skip_nonfinite", "loss_chunk_tokens"):
             _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _check(self.schedule in ("cosine", "linear", "constant"), "train.schedule",
@@ -170,12 +213,38 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class DpoConfig:
+    beta: float = 0.1  # how far the policy may move from the reference: smaller = further
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo (length-normalised, as TRL) | hinge (SLiC)
+    label_smoothing: float = 0.0  # sigmoid only: probability a preference label is wrong (conservative DPO)
+    # Where the reference log-probs come from. null (auto): LoRA = the same sharded base with the adapters off
+    # (one extra no-grad forward per micro-step, no memory); full fine-tuning = precomputed. true: one no-grad pass
+    # over every pair before step 1 with the initial weights (8 B per pair, saved in the run dir for resume; no
+    # model copy, no extra forward during training). false with full fine-tuning is an error (no frozen copy).
+    precompute_reference: bool | None = None
+    # SFT on the chosen responses for the first N steps, then DPO with those weights as the reference (precomputed):
+    # one run instead of an SFT run + a DPO run (the tiny-dpo-cpu demo). 0: start DPO from the model as loaded.
+    sft_warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, "dpo.beta", f"must be > 0, got {self.beta}")
+        _check(self.loss in ("sigmoid", "ipo", "hinge"), "dpo.loss", f"must be sigmoid, ipo or hinge, got {self.loss!r}")
+        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing",
+               f"must be in [0, 0.5), got {self.label_smoothing}")
+        _check(self.label_smoothing == 0.0 or self.loss == "sigmoid", "dpo.label_smoothing",
+               f"applies to dpo.loss=sigmoid only (got loss={self.loss}): set it to 0")
+        _check(self.sft_warmup_steps >= 0, "dpo.sft_warmup_steps", f"must be >= 0, got {self.sft_warmup_steps}")
+        _check(self.sft_warmup_steps == 0 or self.precompute_reference is not False, "dpo.precompute_reference",
+               "false cannot follow an SFT warm-up (the reference is the warmed-up model): set it to null or true")
+
+
+@dataclass(kw_only=True)
 class LaunchConfig:
     nproc_per_node: Any = "auto"  # auto = all GPUs, else 2 CPU workers
-    nnodes: int = 1
+    nnodes: int = 1  # nodes in the job (each runs nproc_per_node workers)
     device: str = "auto"  # auto | cpu | cuda
     rdzv_endpoint: str | None = None  # host:port of the c10d rendezvous for multi-node (torchrun)
-    node_rank: int | None = None
+    node_rank: int | None = None  # this node's index in a multi-node job (torchrun --node-rank)
     # This node's address as the other nodes reach it (torchrun --local-addr). It matters with restarts on: each
     # attempt's store is then hosted on rank 0's node at this address (default: torchrun's socket.getfqdn(), which
     # some clusters do not resolve between nodes). Inside a SLURM step it is filled in from the node's NodeAddr.
@@ -205,8 +274,8 @@ class LaunchConfig:
 @dataclass(kw_only=True)
 class HardwareConfig:
     gpu: str = "rtx4090-24gb"  # a profile in configs/hardware/ (what plan checks against)
-    num_gpus: int = 4
-    host_ram_gb: float | None = None
+    num_gpus: int = 4  # GPUs per node that plan assumes
+    host_ram_gb: float | None = None  # host RAM per node for plan and pre-flight (default: detected)
 
     def __post_init__(self) -> None:
         _check(self.num_gpus >= 1, "hardware.num_gpus", f"must be >= 1, got {self.num_gpus}")
@@ -220,6 +289,7 @@ class Recipe:
     engine: EngineConfig = field(default_factory=EngineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)  # used with train.objective=dpo
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
@@ -238,5 +308,15 @@ class Recipe:
                "model.dtype=fp32 with engine.mixed_precision=bf16 (bf16 compute, fp32 masters), or lora.enabled=true")
         _check(self.lora.quantize_base is None or self.lora.enabled, "lora.quantize_base",
                "quantizes the frozen base under LoRA only: set lora.enabled=true (or lora.quantize_base=null)")
+        dpo = self.train.objective == "dpo"
+        _check(dpo == (self.data.format == "preference"), "train.objective" if dpo else "data.format",
+               f"objective {self.train.objective} with data.format={self.data.format}: dpo trains on "
+               "data.format=preference rows ({prompt, chosen, rejected}); set both or neither")
+        _check(not dpo or self.lora.enabled or self.dpo.precompute_reference is not False, "dpo.precompute_reference",
+               "false needs lora.enabled=true (the reference is the base with adapters off); full fine-tuning "
+               "takes its reference log-probs precomputed: set it to true or null")
+        _check(not (dpo and self.train.demo_eval), "train.demo_eval",
+               "decodes instruction rows; with train.objective=dpo set it to false (DPO reports held-out reward "
+               "accuracy: eval_reward_accuracy)")
         _check(self.data.path is not None, "data.path",
                "not set: give a jsonl/json/parquet/txt file or folder, a saved dataset dir, or builtin:reverse")

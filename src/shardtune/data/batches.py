@@ -68,6 +68,8 @@ class GlobalBatches:
         """The G row indices of optimizer step `step` (0-based); wraps into the next epoch as needed."""
         n = len(self.rows)
         pos = np.arange(step * self.global_size, (step + 1) * self.global_size)
+        if getattr(self.rows, "ordered", False):  # a weighted mix (mix.py): its own shuffle, any position valid
+            return pos
         return np.array([self._perm(int(p // n))[p % n] for p in pos], dtype=np.int64)
 
     def step(self, step: int, rank: int) -> tuple[list[MicroBatch], int]:

@@ -14,8 +14,11 @@ import json
 import os
 import random
 import shutil
+import signal
+import threading
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,10 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
+from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import IGNORE, encode_batch
 from shardtune.data.rows import buffer_view
+from shardtune.data.sources import ENTRY_KEYS
 from shardtune.errors import UserError
 
 EVAL_RAW_KEEP = 1024  # raw held-out rows kept for the demo's exact-match check (train.demo_eval_samples <= this)
@@ -46,8 +51,12 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     n = len(raw)
     if n == 0:
         raise UserError(f"data.path: '{cfg.path}' holds no rows: point it at a non-empty dataset")
+    if cfg.format == "preference":  # pairs: a layout of their own (data/preference.py)
+        from shardtune.data.preference import build_pair_entry
+
+        return build_pair_entry(raw, cfg, tok, tmp, seed=seed, progress=progress)
     in_memory = isinstance(raw, list)
-    _check_columns(list(raw[0]) if in_memory else raw.column_names, cfg)
+    cfg = resolve_fields(cfg, list(raw[0]) if in_memory else raw.column_names)
     order = list(range(n))
     random.Random(seed).shuffle(order)  # the held-out split is fixed by the seed, not by file order
     num_eval = int(n * cfg.eval_fraction)
@@ -70,9 +79,11 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
                         "target_tokens": int(targets[ids].sum()), "truncated": int((length[ids] > cfg.seq_len).sum())}
     train = stats["train"]
     if train["rows"] == 0:
-        raise UserError(f"data.path: no trainable rows after tokenizing '{cfg.path}' (format={cfg.format})")
+        why = " (no row has an assistant turn)" if cfg.format == "chat" else ""
+        raise UserError(f"data.path: no trainable rows after tokenizing '{cfg.path}' (format={cfg.format}){why}: "
+                        "check data.format and the field keys (`shardtune validate` shows the rows it reads)")
     if train["target_tokens"] == 0:
-        warn_truncated(train["truncated"], cfg.seq_len)
+        warn_truncated(stats, cfg.seq_len)
         raise UserError(f"data: no target tokens left in '{cfg.path}' (every response was cut off at "
                         f"data.seq_len={cfg.seq_len}?): raise data.seq_len or shorten the prompts")
     edges = [0] + [int(f * cfg.seq_len) for f in HIST_EDGES] + [max(int(length.max()), cfg.seq_len) + 1]
@@ -85,7 +96,8 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     shutil.rmtree(tmp / "raw", ignore_errors=True)  # datasets' own Arrow copy of the input files
     return {"files": files, "token_dtype": dtype, "seq_len": cfg.seq_len, "packing": cfg.packing,
             "pad_id": tok.pad_token_id if tok.pad_token_id is not None else 0, "source_rows": n,
-            "num_eval_raw": int(num_eval), "stats": stats, "histogram": {"edges": edges, "counts": hist.tolist()}}
+            "num_eval_raw": int(num_eval), "stats": stats, "histogram": {"edges": edges, "counts": hist.tolist()},
+            "data": {k: getattr(cfg, k) for k in ENTRY_KEYS}}  # the resolved fields (demo, report)
 
 
 def _encode_dataset(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
@@ -101,34 +113,74 @@ def _encode_dataset(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, dty
     num_proc = cfg.num_proc or min(os.cpu_count() or 1, 8)
     files: list[str] = []
     pieces = []
-    for start in range(0, n, PIECE_ROWS):
-        piece = raw.select(range(start, min(n, start + PIECE_ROWS)))  # contiguous: a slice, no index mapping
-        # num_proc=None, not 1: datasets 5 starts a one-process pool for num_proc=1 (a fork per piece)
-        procs = num_proc if len(piece) >= PARALLEL_MIN_ROWS and num_proc > 1 else None
-        out = piece.map(_encode_for_cache, batched=True, batch_size=BATCH_ROWS, num_proc=procs,
-                        fn_kwargs={"cfg": cfg, "tok": tok, "dtype": dtype}, remove_columns=raw.column_names, features=features,
-                        cache_file_name=str(tmp / f"docs-{start // PIECE_ROWS:05d}.arrow"),
-                        new_fingerprint=hashlib.sha1(f"{tmp.name}-{start}".encode()).hexdigest(), load_from_cache_file=False)
-        files += [Path(f["filename"]).name for f in out.cache_files]
-        pieces.append(out)
-        if progress is not None:
-            progress(min(n, start + PIECE_ROWS), n)
+    with interrupt_between_pieces() as interrupted:
+        for start in range(0, n, PIECE_ROWS):
+            interrupted.check()
+            _encode_piece(raw, start, n, num_proc, cfg, tok, dtype, tmp, features, files, pieces)
+            if progress is not None:
+                progress(min(n, start + PIECE_ROWS), n)
+        interrupted.check()
     return files, datasets.concatenate_datasets(pieces).data.table
+
+
+def _encode_piece(raw: Any, start: int, n: int, num_proc: int, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                  dtype: str, tmp: Path, features: Any, files: list[str], pieces: list[Any]) -> None:
+    """Rows [start, start + PIECE_ROWS): one `map`; its file names go to `files`, its dataset to `pieces`."""
+    piece = raw.select(range(start, min(n, start + PIECE_ROWS)))  # contiguous: a slice, no index mapping
+    # num_proc=None, not 1: datasets 5 starts a one-process pool for num_proc=1 (a fork per piece)
+    procs = num_proc if len(piece) >= PARALLEL_MIN_ROWS and num_proc > 1 else None
+    out = piece.map(_encode_for_cache, batched=True, batch_size=BATCH_ROWS, num_proc=procs,
+                    fn_kwargs={"cfg": cfg, "tok": tok, "dtype": dtype}, remove_columns=raw.column_names, features=features,
+                    cache_file_name=str(tmp / f"docs-{start // PIECE_ROWS:05d}.arrow"),
+                    new_fingerprint=hashlib.sha1(f"{tmp.name}-{start}".encode()).hexdigest(), load_from_cache_file=False)
+    files += [Path(f["filename"]).name for f in out.cache_files]
+    pieces.append(out)
+
+
+class _Interrupt:
+    def __init__(self) -> None:
+        self.requested = False
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def interrupt_between_pieces():
+    """Ctrl-C during a `map` over a process pool: the default handler's KeyboardInterrupt is lost inside
+    datasets' pool loop (the build ran to the end, exit 0), and the forked workers, which inherit the handler,
+    would print a traceback each. So a handler only records it, and the build stops at the next piece boundary
+    (a few seconds at most), where the caller's cleanup removes the temp folder and the CLI exits 130."""
+    state = _Interrupt()
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield state
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: setattr(state, "requested", True))
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _encode_rows(raw: list[dict[str, Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
                  progress: Callable[[int, int], None] | None) -> tuple[list[str], pa.Table]:
     """Rows in memory (builtin tasks: thousands): the same batches as `_encode_dataset`, in this process, written
     with pyarrow into one IPC stream file of the same schema, importing neither `datasets` nor pandas."""
-    name = "docs-00000.arrow"
     tables = [_encode_for_cache({k: [r[k] for r in raw[start : start + BATCH_ROWS]] for k in raw[0]}, cfg=cfg,
                                 tok=tok, dtype=dtype) for start in range(0, len(raw), BATCH_ROWS)]
     docs = pa.concat_tables(tables)
-    with pa.OSFile(str(tmp / name), "wb") as sink, pa.ipc.new_stream(sink, docs.schema) as writer:
-        writer.write_table(docs)
+    name = write_docs(docs, tmp)
     if progress is not None:
         progress(len(raw), len(raw))
     return [name], docs
+
+
+def write_docs(docs: pa.Table, tmp: Path, name: str = "docs-00000.arrow") -> str:
+    """One Arrow IPC stream file of documents, the format rows.py maps."""
+    with pa.OSFile(str(tmp / name), "wb") as sink, pa.ipc.new_stream(sink, docs.schema) as writer:
+        writer.write_table(docs)
+    return name
 
 
 def layout_rows(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:
@@ -147,9 +199,16 @@ def layout_rows(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:
     return np.asarray(starts, dtype=np.int64)
 
 
-def warn_truncated(num: int, seq_len: int) -> None:
-    if num:
-        warnings.warn(f"{num} documents longer than data.seq_len={seq_len} were truncated", stacklevel=3)
+def truncated_counts(stats: dict[str, Any]) -> str:
+    """"76 (train 70, eval 6)": the same words in `prepare`'s report and in the warning."""
+    train, ev = stats["train"]["truncated"], stats["eval"]["truncated"]
+    return f"{train + ev:,} (train {train:,}, eval {ev:,})"
+
+
+def warn_truncated(stats: dict[str, Any], seq_len: int) -> None:
+    if stats["train"]["truncated"] + stats["eval"]["truncated"]:
+        warnings.warn(f"{truncated_counts(stats)} documents longer than data.seq_len={seq_len} were truncated",
+                      stacklevel=3)
 
 
 def _encode_for_cache(batch: dict[str, list[Any]], *, cfg: DataConfig, tok: PreTrainedTokenizerBase,
@@ -157,15 +216,19 @@ def _encode_for_cache(batch: dict[str, list[Any]], *, cfg: DataConfig, tok: PreT
     """One batch of rows -> an Arrow table, built from flat numpy arrays (a Python list per row would cost more
     than the tokenizer). Labels are the ids or IGNORE, so a boolean `target` stores them; the first token of a
     document is never a target (no prediction across a packing boundary). Documents are cut to seq_len here."""
+    return docs_table(encode_batch(batch, cfg, tok), seq_len=cfg.seq_len, dtype=dtype)
+
+
+def docs_table(docs: list[tuple[list[int], list[int]]], *, seq_len: int, dtype: str) -> pa.Table:
+    """(ids, labels) documents -> the cache's Arrow table (input_ids, target, length, num_targets)."""
     import itertools
 
-    docs = encode_batch(batch, cfg, tok)
     length = np.fromiter((len(ids) for ids, _ in docs), dtype=np.int64, count=len(docs))
-    kept = np.minimum(length, cfg.seq_len)
+    kept = np.minimum(length, seq_len)
     total = int(kept.sum())
-    flat_ids = np.fromiter(itertools.chain.from_iterable(ids[: cfg.seq_len] for ids, _ in docs), dtype=dtype,
+    flat_ids = np.fromiter(itertools.chain.from_iterable(ids[:seq_len] for ids, _ in docs), dtype=dtype,
                            count=total)
-    target = np.fromiter(itertools.chain.from_iterable(lab[: cfg.seq_len] for _, lab in docs), dtype=np.int64,
+    target = np.fromiter(itertools.chain.from_iterable(lab[:seq_len] for _, lab in docs), dtype=np.int64,
                          count=total) != IGNORE
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum(kept, out=offsets[1:])
@@ -193,12 +256,3 @@ def _arrow(x: np.ndarray) -> pa.Array:
 def _int_column(table: pa.Table, name: str) -> np.ndarray:
     chunks = [buffer_view(c, np.int32) for c in table.column(name).chunks]
     return np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, dtype=np.int64)
-
-
-def _check_columns(columns: list[str], cfg: DataConfig) -> None:
-    needed = {"text": [cfg.text_field], "instruction": [cfg.prompt_field, cfg.response_field],
-              "chat": [cfg.messages_field]}[cfg.format]
-    missing = [c for c in needed if c not in columns]
-    if missing:
-        raise UserError(f"data.format={cfg.format}: column(s) {missing} missing from data.path (found "
-                        f"{sorted(columns)}): set data.{cfg.format}_field names or pick another data.format")

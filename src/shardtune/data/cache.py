@@ -10,7 +10,7 @@ is written last, inside a private temp dir that is then renamed into place in on
 
 The key hashes everything that changes the result: the data files' names, sizes and mtimes (not their bytes:
 hashing 10 GB of jsonl would cost as much as tokenizing it; an in-place edit that keeps size and mtime is not
-seen), the tokenizer's full serialised state, format, field names, seq_len, packing, eval_fraction, the seed and
+seen), the tokenizer's full serialised state, format, field keys and template, seq_len, packing, eval_fraction, the seed and
 CACHE_VERSION. Bump CACHE_VERSION whenever the build's output changes for the same inputs.
 """
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
+from shardtune.data.sources import ENTRY_KEYS
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: instruction templates (a separator after the prompt), input/chat fields
 MANIFEST = "manifest.json"
 STALE_TEMP_S = 24 * 3600
 
@@ -74,7 +75,7 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
 
 def cache_key(cfg: DataConfig, tok: PreTrainedTokenizerBase, seed: int) -> str:
     fields = {"version": CACHE_VERSION, "source": source_fingerprint(cfg, seed), "tokenizer": tokenizer_fingerprint(tok),
-              "format": cfg.format, "fields": [cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.messages_field],
+              "format": cfg.format, "fields": {k: getattr(cfg, k) for k in ENTRY_KEYS},
               "seq_len": cfg.seq_len, "packing": cfg.packing, "eval_fraction": cfg.eval_fraction, "seed": seed}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
 

@@ -1,80 +1,165 @@
-"""Raw rows -> token ids + labels, per `data.format`. Labels are -100 where no loss is taken."""
+"""Raw rows -> token ids + labels, per `data.format`. Labels are -100 where no loss is taken.
+
+One encoder per format, registered in FORMATS with the columns it reads (named by their data.* keys). A new format
+is one function plus one registry line; `fields.py` maps and checks its columns, `build.py` stores the result.
+Every encoder takes a column batch (what `datasets.map(batched=True)` hands over) whose fields are already
+resolved (`fields.resolve_fields`): the DataConfig names columns that exist.
+"""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
+from shardtune.data.templates import render_prompt
 from shardtune.errors import UserError
 
 IGNORE = -100
+Encoded = list[tuple[list[int], list[int]]]  # per row: (input ids, labels)
+
+# ShareGPT's speaker names -> OpenAI roles (the names seen in the wild: human/gpt, user/assistant, system).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "bot": "assistant", "model": "assistant", "tool": "tool"}
+ROLES = ("system", "user", "assistant", "tool")
 
 
-def _ids(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return tok(text, add_special_tokens=False)["input_ids"]
+@dataclass(frozen=True)
+class Format:
+    encode: Callable[[dict[str, list[Any]], DataConfig, PreTrainedTokenizerBase], Encoded]
+    required: tuple[str, ...]  # data.* keys naming columns that must exist
+    optional: tuple[str, ...] = ()  # data.* keys naming columns used when present
 
 
-def encode_row(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    if cfg.format == "text":
-        ids = bos + _ids(tok, str(row[cfg.text_field])) + eos
-        return ids, list(ids)
-    if cfg.format == "instruction":
-        prompt = bos + _ids(tok, str(row[cfg.prompt_field]))
-        response = _ids(tok, str(row[cfg.response_field])) + eos
-        return prompt + response, [IGNORE] * len(prompt) + response  # prompt tokens are masked out
-    return _encode_chat(row[cfg.messages_field], tok)
+def _ids(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    return tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def encode_batch(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase
-                 ) -> list[tuple[list[int], list[int]]]:
-    """`encode_row` over a column batch (what `datasets.map(batched=True)` hands over). Text and instruction call
-    the fast tokenizer once per batch (Rust, ~10x fewer Python calls than row by row); chat renders row by row."""
-    if cfg.format == "chat":
-        return [_encode_chat(m, tok) for m in batch[cfg.messages_field]]
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    if cfg.format == "text":
-        out = []
-        for ids in _batch_ids(tok, batch[cfg.text_field]):
-            ids = bos + ids + eos
-            out.append((ids, list(ids)))
-        return out
+def _specials(tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    return ([tok.bos_token_id] if tok.bos_token_id is not None else [],
+            [tok.eos_token_id] if tok.eos_token_id is not None else [])
+
+
+def _text(x: Any) -> str:
+    return "" if x is None else str(x)
+
+
+def encode_text(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> Encoded:
+    """Every token is a target (plain language modelling)."""
+    bos, eos = _specials(tok)
     out = []
-    for p, r in zip(_batch_ids(tok, batch[cfg.prompt_field]), _batch_ids(tok, batch[cfg.response_field])):
-        prompt, response = bos + p, r + eos
-        out.append((prompt + response, [IGNORE] * len(prompt) + response))
+    for ids in _ids(tok, [_text(t) for t in batch[cfg.text_field]]):
+        ids = bos + ids + eos
+        out.append((ids, list(ids)))
     return out
 
 
-def _batch_ids(tok: PreTrainedTokenizerBase, texts: list[Any]) -> list[list[int]]:
-    return tok([str(t) for t in texts], add_special_tokens=False)["input_ids"]
+def encode_instruction(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> Encoded:
+    """bos + the template's prompt text (with the input, if any) | response + eos; the prompt part is masked unless
+    data.train_on_inputs. The template ends in a separator, so the model sees where the answer starts."""
+    bos, eos = _specials(tok)
+    n = len(batch[cfg.prompt_field])
+    inputs = batch[cfg.input_field] if cfg.input_field in batch else [""] * n
+    prompts = [render_prompt(cfg.template, _text(p), _text(i)) for p, i in zip(batch[cfg.prompt_field], inputs)]
+    out = []
+    for p, r in zip(_ids(tok, prompts), _ids(tok, [_text(r) for r in batch[cfg.response_field]])):
+        prompt, response = bos + p, r + eos
+        labels = prompt + response if cfg.train_on_inputs else [IGNORE] * len(prompt) + response
+        out.append((prompt + response, labels))
+    return out
 
 
-def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    """Only assistant turns are trained. Works with any chat template: each assistant turn's tokens are the
-    difference between the rendering up to it (with the generation prompt) and the rendering including it."""
+def encode_chat(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> Encoded:
+    """Rendered with the tokenizer's chat template (or model.chat_template), row by row."""
+    return [_encode_chat(to_messages(m, cfg.chat_style), tok, train_on_inputs=cfg.train_on_inputs)
+            for m in batch[cfg.messages_field]]
+
+
+def encode_preference(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> Encoded:
+    """Two documents per row, prompt + chosen then prompt + rejected, prompt masked and truncated as training
+    stores them. Training builds pairs with data/preference.py (its own layout: never packed); this encoder is
+    what `validate` samples."""
+    from shardtune.data.preference import encode_pair, truncate_pair
+
+    out: Encoded = []
+    for row in zip(batch[cfg.prompt_field], batch[cfg.chosen_field], batch[cfg.rejected_field]):
+        values = dict(zip((cfg.prompt_field, cfg.chosen_field, cfg.rejected_field), row))
+        p, c, r, _ = truncate_pair(*encode_pair(values, cfg, tok), cfg.seq_len)
+        out += [(p + resp, [IGNORE] * len(p) + resp) for resp in (c, r)]
+    return out
+
+
+FORMATS: dict[str, Format] = {
+    "text": Format(encode_text, ("text_field",)),
+    "instruction": Format(encode_instruction, ("prompt_field", "response_field"), ("input_field",)),
+    "chat": Format(encode_chat, ("messages_field",)),
+    "preference": Format(encode_preference, ("prompt_field", "chosen_field", "rejected_field")),
+}
+
+
+def encode_batch(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> Encoded:
+    """The format's encoder over a column batch. Text and instruction call the fast tokenizer once per batch (Rust,
+    ~10x fewer Python calls than row by row); chat renders row by row."""
+    return FORMATS[cfg.format].encode(batch, cfg, tok)
+
+
+def encode_row(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    return encode_batch({k: [v] for k, v in row.items()}, cfg, tok)[0]
+
+
+def to_messages(turns: Any, style: str = "auto") -> list[dict[str, str]]:
+    """One row's turns as OpenAI messages. openai: {role, content}; sharegpt: {from, value} with human/gpt/system;
+    auto: either, per turn. Raises UserError naming the keys it expected."""
+    if not isinstance(turns, (list, tuple)):
+        raise UserError(f"data.format=chat: a row's turns must be a list of messages, got {type(turns).__name__}: "
+                        "set data.messages_field to the column holding them")
+    out = []
+    for t in turns:
+        if not isinstance(t, dict):
+            raise UserError(f"data.format=chat: a turn must be a mapping, got {t!r:.60}")
+        # Arrow gives every turn of a column all the keys any turn has (missing ones None): test values, not keys
+        if style != "sharegpt" and t.get("role") is not None and "content" in t:
+            role, content = t["role"], t["content"]
+        elif style != "openai" and t.get("from") is not None and "value" in t:
+            role = SHAREGPT_ROLES.get(str(t["from"]).lower(), t["from"])
+            content = t["value"]
+        else:
+            keys = {"openai": "{role, content}", "sharegpt": "{from, value}"}.get(style, "{role, content} (OpenAI) "
+                                                                               "or {from, value} (ShareGPT)")
+            raise UserError(f"data.format=chat: a turn has keys {sorted(k for k, v in t.items() if v is not None)}, expected {keys}: set data.chat_style "
+                            "(auto, openai, sharegpt) to match the data")
+        if role not in ROLES:
+            raise UserError(f"data.format=chat: unknown role {role!r}: expected {', '.join(ROLES)} (or ShareGPT's "
+                            "human, gpt, system)")
+        out.append({"role": role, "content": _text(content)})
+    return out
+
+
+def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase, *, train_on_inputs: bool = False
+                 ) -> tuple[list[int], list[int]]:
+    """Only assistant turns are trained (all tokens with train_on_inputs). Works with any chat template: each
+    assistant turn's tokens are the difference between the rendering up to it (with the generation prompt) and the
+    rendering including it."""
     if not tok.chat_template:
-        raise UserError("data.format=chat: the tokenizer has no chat template: use format=instruction or a "
-                        "tokenizer with one")
+        raise UserError("data.format=chat: the tokenizer has no chat template: set model.chat_template=chatml (or "
+                        "plain, or a Jinja string), or use data.format=instruction")
     ids: list[int] = []
     labels: list[int] = []
     for i, msg in enumerate(messages):
-        if msg.get("role") != "assistant":
+        if msg["role"] != "assistant":
             continue
-        before = tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True)
-        after = tok.apply_chat_template(messages[: i + 1], tokenize=True)
-        before, after = _as_ids(before), _as_ids(after)
+        before = _as_ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True))
+        after = _as_ids(tok.apply_chat_template(messages[: i + 1], tokenize=True))
         if after[: len(before)] != before:
             raise UserError("data.format=chat: the chat template does not render turns as a prefix: "
-                            "use format=instruction for this tokenizer")
+                            "set model.chat_template=chatml or use data.format=instruction")
         labels += [IGNORE] * (len(before) - len(ids)) + after[len(before):]
         ids = after
     if not ids:  # no assistant turn: nothing to learn from this row
         return [], []
-    return ids, labels
+    return ids, list(ids) if train_on_inputs else labels
 
 
 def _as_ids(x: Any) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,27 +16,48 @@ from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import cache, synthetic
+from shardtune.data.batches import RowSource
 from shardtune.data.build import build_entry, warn_truncated
+from shardtune.data.mix import ConcatRows, MixedRows
 from shardtune.data.rows import PackedRows, open_documents
+from shardtune.data.sample import (
+    SUFFIX_TO_BUILDER,
+    check_not_empty,
+    data_files,
+    find_bad_json_line,
+    is_saved_dataset,
+)
+from shardtune.data.sources import is_mix, sources
 from shardtune.errors import UserError
-
-SUFFIX_TO_BUILDER = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 
 
 @dataclass
 class TokenizedData:
-    train: PackedRows
-    eval: PackedRows
+    train: RowSource  # PackedRows of one cache entry, or MixedRows over several
+    eval: RowSource
     eval_raw: list[dict[str, Any]]  # held-out raw rows, up to build.EVAL_RAW_KEEP (the demo decodes their prompts)
-    entry: Path  # the cache entry the rows are mapped from
-    manifest: dict[str, Any]
+    entry: Path  # the cache entry the rows are mapped from (a mix: its first dataset's)
+    manifest: dict[str, Any]  # a mix: {} (each part has its own)
     built: bool  # True when this call tokenized (a cache miss)
+    parts: list[TokenizedData] = field(default_factory=list)  # a mix: each dataset, in data.path order
+    weights: list[float] = field(default_factory=list)
 
 
 def build_data(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: int, output_dir: str | None = None,
                progress: Callable[[int, int], None] | None = None) -> TokenizedData:
-    entry, built = ensure_entry(cfg, tok, seed=seed, output_dir=output_dir, progress=progress)
-    return open_entry(entry, built=built)
+    """Every dataset of `data.path` built (or found), then opened: one dataset, or their weighted mix."""
+    entries = [ensure_entry(src, tok, seed=seed, output_dir=output_dir, progress=progress) for src, _ in sources(cfg)]
+    return open_entries(cfg, entries, seed=seed)
+
+
+def open_entries(cfg: DataConfig, entries: list[tuple[Path, bool]], *, seed: int) -> TokenizedData:
+    parts = [open_entry(entry, built=built) for entry, built in entries]
+    if not is_mix(cfg):
+        return parts[0]
+    weights = [w for _, w in sources(cfg)]
+    return TokenizedData(train=MixedRows([p.train for p in parts], weights, seed=seed),
+                         eval=ConcatRows([p.eval for p in parts]), eval_raw=[], entry=parts[0].entry, manifest={},
+                         built=any(p.built for p in parts), parts=parts, weights=weights)
 
 
 def ensure_entry(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: int, output_dir: str | None = None,
@@ -64,7 +85,7 @@ def open_entry(entry: Path, *, built: bool = False) -> TokenizedData:
     assert manifest is not None, f"{entry} is not a finished cache entry"
     documents = open_documents(entry, manifest["files"])
     train = PackedRows(entry, "train", documents, manifest)
-    warn_truncated(train.num_truncated, train.seq_len)
+    warn_truncated(manifest["stats"], train.seq_len)
     with open(entry / "eval_raw.jsonl") as f:
         eval_raw = [json.loads(line) for line in f]
     return TokenizedData(train=train, eval=PackedRows(entry, "eval", documents, manifest), eval_raw=eval_raw,
@@ -85,29 +106,32 @@ def load_raw(cfg: DataConfig, seed: int, *, scratch: Path | None = None) -> Any:
             return synthetic.generate(name, cfg.num_samples, seed)
         except KeyError:
             raise UserError(f"data.path: unknown builtin task '{name}': choose from "
-                            f"{sorted(synthetic.TASKS)}") from None
+                            f"{synthetic.names()}") from None
     import datasets  # heavy import, only when a file is read
 
     datasets.disable_progress_bars()  # one bar per rank is noise in logs
+    datasets.utils.logging.set_verbosity(50)  # CRITICAL: its "Failed to load JSON" error log would precede our line
     path = Path(cfg.path)
+    files: list[Path] = []
     try:
-        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
+        if is_saved_dataset(path):
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         else:
-            files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIX_TO_BUILDER) if path.is_dir() else [path]
-            if not files:
-                raise UserError(f"data.path: no .jsonl/.json/.parquet/.txt/.csv files in '{path}'")
-            builder = SUFFIX_TO_BUILDER.get(files[0].suffix)
-            if builder is None:
-                raise UserError(f"data.path: '{path.name}' has an unknown suffix: use .jsonl, .json, .parquet, .txt or .csv")
-            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                      cache_dir=str(scratch) if scratch else None)
+            files = data_files(path)
+            for f in files:
+                check_not_empty(f)
+            ds = datasets.load_dataset(SUFFIX_TO_BUILDER[files[0].suffix], data_files=[str(f) for f in files],
+                                       split="train", cache_dir=str(scratch) if scratch else None)
     except UserError:
         raise
-    except Exception as e:  # datasets raises many types for unreadable files
+    except Exception as e:  # datasets raises many types for unreadable files: find the line when we can
+        for f in files if files and SUFFIX_TO_BUILDER[files[0].suffix] == "json" else []:
+            bad = find_bad_json_line(f) if f.suffix == ".jsonl" else None
+            if bad is not None:
+                raise bad from None
         detail = (str(e).strip().splitlines() or ["no details"])[0][:120]
         raise UserError(f"data.path: cannot read '{path}' ({type(e).__name__}: {detail}): check the file's format "
-                        "and encoding (UTF-8)") from None
+                        "and encoding (UTF-8); `shardtune validate` names the line") from None
     return ds

@@ -5,6 +5,7 @@ import sys
 import time
 from typing import Any
 
+from shardtune.data.build import truncated_counts
 from shardtune.data.pipeline import TokenizedData, build_data
 
 BAR_WIDTH = 40
@@ -32,6 +33,12 @@ def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
 
 
 def format_report(data: TokenizedData, *, seconds: float) -> str:
+    if data.parts:  # a mix: each dataset's report, then the mix's shares
+        total = sum(data.weights)
+        reports = [f"dataset {i + 1} of {len(data.parts)} (weight {w:g}, {w / total:.1%} of training rows):\n"
+                   + format_report(p, seconds=seconds) for i, (p, w) in enumerate(zip(data.parts, data.weights))]
+        return "\n".join(reports + [f"mix: {len(data.train):,} training rows per epoch, eval {len(data.eval):,} rows "
+                                    "(every dataset's held-out rows)"])
     m = data.manifest
     train, ev = m["stats"]["train"], m["stats"]["eval"]
     slots = train["rows"] * m["seq_len"]
@@ -40,14 +47,31 @@ def format_report(data: TokenizedData, *, seconds: float) -> str:
              f"source rows: {m['source_rows']:,} -> train {train['documents']:,} documents in {train['rows']:,} rows "
              f"of {m['seq_len']} (packing={'on' if m['packing'] else 'off'}), eval {ev['documents']:,} documents "
              f"in {ev['rows']:,} rows",
+             f"format: {_describe(m.get('data', {}))}",
              f"tokens: {train['tokens']:,} train ({train['target_tokens']:,} with a loss), {ev['tokens']:,} eval; "
              f"stored as {m['token_dtype']}",
-             f"truncated documents (longer than data.seq_len={m['seq_len']}): {train['truncated'] + ev['truncated']:,}",
+             f"truncated documents (longer than data.seq_len={m['seq_len']}): {truncated_counts(m['stats'])}",
              f"packing efficiency: {_pct(train['target_tokens'], slots)} of train slots are target tokens, "
              f"{_pct(train['tokens'], slots)} hold a token (the rest is padding)",
              "document length (tokens, before truncation):"]
+    if "pairs" in train:  # data.format=preference: two documents (chosen, rejected) per pair
+        lines.insert(2, f"preference pairs: {train['pairs']:,} train, {ev['pairs']:,} eval; "
+                        f"{m.get('identical_pairs', 0):,} dropped (chosen identical to rejected)")
     lines += _histogram(m["histogram"])
     return "\n".join(lines)
+
+
+def _describe(fields: dict[str, Any]) -> str:
+    """'instruction (prompt=instruction, input=input, response=output; template alpaca)': the columns read."""
+    from shardtune.data.formats import FORMATS
+
+    if fields.get("format") not in FORMATS:
+        return "?"
+    fmt = FORMATS[fields["format"]]
+    cols = ", ".join(f"{k.removesuffix('_field')}={fields[k]}" for k in fmt.required + fmt.optional if fields.get(k))
+    extra = {"instruction": f"; template {fields.get('template')}", "chat": f"; style {fields.get('chat_style')}"}
+    on_inputs = "; loss on inputs too" if fields.get("train_on_inputs") else ""
+    return f"{fields['format']} ({cols}{extra.get(fields['format'], '')}{on_inputs})"
 
 
 def _pct(a: int, b: int) -> str:

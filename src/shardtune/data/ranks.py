@@ -15,12 +15,14 @@ from __future__ import annotations
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import cache
-from shardtune.data.pipeline import TokenizedData, build_data, ensure_entry, open_entry
+from shardtune.data.pipeline import TokenizedData, build_data, ensure_entry, open_entries
+from shardtune.data.sources import sources
 from shardtune.errors import UserError
 
 
@@ -31,13 +33,14 @@ def prepare_for_ranks(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: in
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return build_data(cfg, tok, seed=seed, output_dir=output_dir)
     group = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.prepare_timeout_min))
-    msg: list[tuple[str, str] | None] = [None]
+    msg: list[tuple[str, Any] | None] = [None]
     failure: BaseException | None = None
-    built = False
+    built: list[bool] = []
     if rank == 0:
         try:
-            entry, built = ensure_entry(cfg, tok, seed=seed, output_dir=output_dir)
-            msg = [("ok", str(entry))]
+            entries = [ensure_entry(src, tok, seed=seed, output_dir=output_dir) for src, _ in sources(cfg)]
+            built = [b for _, b in entries]
+            msg = [("ok", [str(e) for e, _ in entries])]
         except UserError as e:
             msg, failure = [("error", str(e))], e
         except Exception as e:  # an internal failure: the others stop too instead of waiting for the timeout
@@ -46,15 +49,18 @@ def prepare_for_ranks(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: in
     dist.destroy_process_group(group)
     if failure is not None:
         raise failure
-    kind, text = msg[0]
+    kind, payload = msg[0]
     if kind == "error":
-        raise UserError(text)
+        raise UserError(payload)
     if kind == "crash":
-        raise RuntimeError(f"rank 0 failed to build the data cache: {text}")
-    entry = Path(text)
-    if cache.read_manifest(entry) is None:
-        warnings.warn(f"data cache {entry} (built by rank 0) is not visible on this node: building a local copy; "
-                      "put data.cache_dir on a filesystem all nodes share", stacklevel=2)
-        entry, built = ensure_entry(cfg, tok, seed=seed, output_dir=output_dir)
-        return open_entry(entry, built=built)
-    return open_entry(entry, built=rank == 0 and built)
+        raise RuntimeError(f"rank 0 failed to build the data cache: {payload}")
+    entries = []
+    for i, (src, _) in enumerate(sources(cfg)):
+        entry = Path(payload[i])
+        if cache.read_manifest(entry) is None:
+            warnings.warn(f"data cache {entry} (built by rank 0) is not visible on this node: building a local copy; "
+                          "put data.cache_dir on a filesystem all nodes share", stacklevel=2)
+            entries.append(ensure_entry(src, tok, seed=seed, output_dir=output_dir))
+        else:
+            entries.append((entry, rank == 0 and built[i]))
+    return open_entries(cfg, entries, seed=seed)

@@ -25,11 +25,34 @@ def _add(rng: random.Random) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
+def _wrong_reversal(rng: random.Random, s: str) -> str:
+    """A plausible mistake: mostly the string copied instead of reversed, else its reversal with one letter
+    changed (harder: a 6-character reversal must be right at every position to tell)."""
+    r = s[::-1]
+    for _ in range(10):
+        if rng.random() < 0.75:
+            out = s
+        else:
+            i = rng.randrange(len(r))
+            out = r[:i] + rng.choice(ALPHABET.replace(r[i], "")) + r[i + 1 :]
+        if out != r:
+            return out
+    return r[1:] + r[0]  # a rotation of a non-constant string; constant ones are re-drawn by the caller
+
+
 TASKS = {"reverse": _reverse, "sort": _sort, "add": _add}
+PREFERENCE_TASKS = {"prefer-reverse": "reverse"}  # name -> the task whose answer is the chosen response
+
+
+def names() -> list[str]:
+    return sorted([*TASKS, *PREFERENCE_TASKS])
 
 
 def generate(name: str, num_samples: int, seed: int) -> list[dict[str, str]]:
-    """Distinct prompts (so eval rows never appear in training), as {prompt, response} rows."""
+    """Distinct prompts (so eval rows never appear in training), as {prompt, response} rows, or for a preference
+    task {prompt, chosen, rejected} rows (chosen: the right answer; rejected: a wrong one)."""
+    if name in PREFERENCE_TASKS:
+        return _preference(name, num_samples, seed)
     if name not in TASKS:
         raise KeyError(name)
     rng = random.Random(f"{name}-{seed}")
@@ -40,3 +63,14 @@ def generate(name: str, num_samples: int, seed: int) -> list[dict[str, str]]:
         prompt, response = TASKS[name](rng)
         rows.setdefault(prompt, response)
     return [{"prompt": p, "response": r} for p, r in rows.items()]
+
+
+def _preference(name: str, num_samples: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(f"{name}-{seed}")
+    rows = []
+    for row in generate(PREFERENCE_TASKS[name], num_samples, seed):
+        s = row["response"][::-1]
+        if len(set(s)) == 1:  # "aaa": every wrong answer is a letter change; keep the generator simple: skip it
+            continue
+        rows.append({"prompt": row["prompt"], "chosen": row["response"], "rejected": _wrong_reversal(rng, s)})
+    return rows

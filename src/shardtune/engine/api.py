@@ -61,6 +61,9 @@ class ShardingPolicy:
     # QLoRA: the frozen 2-D weights of nn.Linear modules inside the units (not the root: embeddings, norm, head) are
     # stored, sharded and all-gathered as NF4 bytes (engine/quantized.py) and dequantized to param_dtype per matmul.
     quantize_base: bool = False
+    # QLoRA: bytes of the dequantized row tile an NF4 matmul computes with (engine/nf4_linear.py); 0: torchao's
+    # whole-weight linear_nf4.
+    nf4_tile_bytes: int = 0
 
 
 class ShardedModel(Protocol):

@@ -96,15 +96,21 @@ def codebook(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _CODEBOOK[key]
 
 
-def nf4_view(buf: torch.Tensor, layout: Nf4Layout) -> NF4Tensor:
+def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, tile_bytes: int = 0) -> NF4Tensor:
     """An NF4Tensor whose parts are views of `buf` (uint8, the weight's region): no copy, so refilling `buf` (the
-    gathered unit, re-gathered for backward) refreshes every NF4Tensor autograd saved."""
+    gathered unit, re-gathered for backward) refreshes every NF4Tensor autograd saved. `tile_bytes` > 0: a
+    `TiledNF4Tensor`, whose matmuls dequantize row tiles of that many bytes (nf4_linear.py)."""
     n, dtype = layout.numel, layout.dtype
     sb = scaler_block(n)
     e = torch.empty((), dtype=dtype, device="meta").element_size()
     n_blocks = n // BLOCK
     meta = SubclassTensorArgs(layout.shape, (layout.shape[1], 1), 0, dtype, buf.device, False)
-    return NF4Tensor(
+    cls = NF4Tensor
+    if tile_bytes:
+        from shardtune.engine.nf4_linear import TiledNF4Tensor
+
+        cls = TiledNF4Tensor
+    w = cls(
         meta, BLOCK, n_blocks, sb,
         buf[layout.scalers:layout.scalers + n_blocks].view(torch.int8),  # quantized_scalers
         buf[layout.factors:layout.factors + n_blocks // sb * e].view(dtype),  # quantization_factor
@@ -112,6 +118,9 @@ def nf4_view(buf: torch.Tensor, layout: Nf4Layout) -> NF4Tensor:
         buf[layout.codes:layout.codes + n // 2],  # quantized_data
         codebook(dtype, buf.device),
     )
+    if tile_bytes:
+        w.tile_bytes = tile_bytes
+    return w
 
 
 def dequantize(buf: torch.Tensor, layout: Nf4Layout) -> torch.Tensor:

@@ -47,13 +47,15 @@ class QuantizedFlat:
     register_name = "_shardtune_flat_nf4"  # name of the shard on the unit module (shard.py)
 
     def __init__(self, params: list[Entry], *, nf4_dtype: torch.dtype, shard_rank: int, shard_size: int,
-                 device: torch.device, offload: bool = False) -> None:
+                 device: torch.device, offload: bool = False, tile_bytes: int = 0) -> None:
         """`params`: frozen 2-D weights in buffer order. `nf4_dtype`: what they dequantize to (the compute dtype).
+        `tile_bytes` > 0: the matmuls dequantize row tiles of that size (engine/nf4_linear.py), not whole weights.
         Real (non-meta) weights are quantized now, each whole, keeping this rank's bytes; meta ones are filled by
         `fill` (the sharded loader)."""
         self.dtype = torch.uint8  # of the shard and of the gathered buffer
         self.compute_dtype = torch.uint8  # the gather moves bytes; the matmul dequantizes to nf4_dtype
         self.nf4_dtype = nf4_dtype
+        self.tile_bytes = tile_bytes
         self.slots: list[Nf4Slot] = []
         offset = 0
         for name, p, locs in params:
@@ -128,7 +130,7 @@ class QuantizedFlat:
         src = self.full.data  # own version counter: re-gathering for backward does not trip autograd's checks
         views = []
         for s in self.slots:
-            w = nf4.nf4_view(src[s.offset:s.offset + s.numel], s.layout)
+            w = nf4.nf4_view(src[s.offset:s.offset + s.numel], s.layout, tile_bytes=self.tile_bytes)
             views.append(w)
             for module, attr in s.locations:
                 module.__dict__[attr] = w

@@ -221,7 +221,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
                            compute_dtype=compute, device=device, offload=policy.cpu_offload) for entries, grad, nd in up.flat_groups()]
         if up.quantized:  # QLoRA base: NF4 bytes, one more frozen flat of the unit (engine/quantized.py)
             flats.append(QuantizedFlat(up.quantized, nf4_dtype=compute, shard_rank=shard_rank, shard_size=shard_size,
-                                       device=device, offload=policy.cpu_offload))
+                                       device=device, offload=policy.cpu_offload, tile_bytes=policy.nf4_tile_bytes))
         # The original parameters leave the module; `model.parameters()` now yields this rank's shard segments.
         for flat in flats:
             flat.label = "root" if up.is_root else f"unit{i}"

@@ -33,6 +33,7 @@ class Case:
     overrides: tuple[str, ...]
     recipe: str = "tiny-cpu"
     own_model: bool = True  # False: the recipe's own model (the demo recipes as users run them)
+    vocab: int | None = None  # the own model with this vocabulary instead of MODEL's
 
 
 GRID = [  # world, strategy, precision, micro-batch, seq_len, extra overrides (a label for the name)
@@ -71,10 +72,13 @@ QLORA_GRID = [  # world, precision, micro-batch, seq_len, activation checkpointi
 
 def qlora_grid() -> list[Case]:
     """QLoRA over an NF4 base, full_shard: the NF4 byte buffers, the gathered NF4 units and the dequantization
-    transient of every matmul are what this table checks beyond the LoRA row of the default grid."""
+    transient of every matmul are what this table checks beyond the LoRA row of the default grid. torchao's
+    whole-weight matmul (engine.nf4_tile_mb=0), the transient this table was built for; the tiled one is in
+    VOCAB_GRID / VOCAB_SUBSET."""
     return [Case(f"w{w} qlora {mp_} mb{mb} s{s}" + (" ckpt" if ck else ""), w,
                  ("engine.strategy=full_shard", f"engine.mixed_precision={mp_}", f"train.micro_batch_size={mb}",
-                  f"data.seq_len={s}", f"engine.activation_checkpointing={'true' if ck else 'false'}", *QLORA))
+                  f"data.seq_len={s}", f"engine.activation_checkpointing={'true' if ck else 'false'}", *QLORA,
+                  "engine.nf4_tile_mb=0"))
             for w, mp_, mb, s, ck in QLORA_GRID]
 
 
@@ -90,6 +94,22 @@ DEMO_SUBSET = [("tiny-cpu", 1, "full_shard", 1), ("tiny-cpu", 8, "shard_grad_op"
                ("tiny-lora-cpu", 1, "shard_grad_op", 4)]
 
 
+# DPO (issue 24): one forward of 2 x micro-batch rows (chosen + rejected); full fine-tuning with the reference
+# precomputed before step 1, LoRA with a no-grad adapters-off forward per micro-step. Start DPO at step 1.
+DPO = ("train.objective=dpo", "data.format=preference", "data.path=builtin:prefer-reverse", "dpo.sft_warmup_steps=0",
+       "train.eval_every=0")
+DPO_GRID = [  # world, micro-batch (pairs), seq_len, extra overrides
+    (1, 2, 128, ()), (2, 2, 256, ()),
+    (1, 2, 128, ("lora.enabled=true", "lora.r=8")), (2, 1, 256, ("lora.enabled=true", "lora.r=8")),
+]
+
+
+def dpo_grid() -> list[Case]:
+    return [Case(f"w{w} dpo {'lora' if extra else 'full'} mb{mb} s{s}", w,
+                 ("engine.strategy=full_shard", "engine.mixed_precision=fp32", f"train.micro_batch_size={mb}",
+                  f"data.seq_len={s}", *DPO, *extra)) for w, mb, s, extra in DPO_GRID]
+
+
 def demo_grid(subset: bool = False) -> list[Case]:
     combos = DEMO_SUBSET if subset else [(r, mb, st, w) for r in DEMO_RECIPES for w in DEMO_WORLDS
                                          for st in DEMO_STRATEGIES for mb in DEMO_MICRO_BATCHES]
@@ -98,8 +118,51 @@ def demo_grid(subset: bool = False) -> list[Case]:
             for r, mb, st, w in combos]
 
 
+# Vocabulary features (issue 21): a 32k vocabulary, where the logits dominate; chunked loss and tiled NF4 on and off.
+VOCAB = 32000
+VOCAB_GRID = [  # world, precision, micro-batch, seq_len, loss_chunk_tokens, extra overrides (a label for the name)
+    (1, "fp32", 8, 512, 0, ()), (1, "fp32", 8, 512, 1024, ()),
+    (2, "bf16", 4, 256, 0, ()), (2, "bf16", 4, 256, 1024, ()),
+    (2, "fp32", 2, 256, 256, ("ckpt", "engine.activation_checkpointing=true")),
+    (1, "bf16", 2, 512, 1024, ("lora", "lora.enabled=true", "lora.r=8")),
+    (2, "fp32", 2, 256, 0, ("qlora untiled", *QLORA, "engine.nf4_tile_mb=0")),
+    (2, "fp32", 2, 256, 1024, ("qlora tiled", *QLORA, "engine.nf4_tile_mb=0.125")),
+]
+
+
+# The test's share (tests/integration/test_plan_accuracy.py): features on and off at every world size, an 8k
+# vocabulary and short rows so that the six runs add ~20 s to the spawns the other tables start anyway.
+VOCAB_SUBSET = [
+    (1, "fp32", 1, 256, 0, ()), (1, "bf16", 2, 128, 128, ()),
+    (2, "fp32", 2, 128, 64, ("ckpt", "engine.activation_checkpointing=true")),
+    (2, "bf16", 1, 128, 0, ("qlora untiled", *QLORA, "engine.nf4_tile_mb=0")),
+    (4, "fp32", 1, 128, 32, ("qlora tiled", *QLORA, "engine.nf4_tile_mb=0.125")),
+    (4, "bf16", 2, 128, 0, ("lora", "lora.enabled=true", "lora.r=8")),
+]
+
+
+def vocab_grid(subset: bool = False) -> list[Case]:
+    """Chunked loss (train.loss_chunk_tokens) and tiled NF4 (engine.nf4_tile_mb) on and off, 32k vocabulary (the
+    bench's table); `subset`: VOCAB_SUBSET at 8k (the test's)."""
+    vocab = 8192 if subset else VOCAB
+    cases = []
+    for world, mp_, mb, s, chunk, extra in VOCAB_SUBSET if subset else VOCAB_GRID:
+        label, *overrides = extra or ("",)
+        name = f"w{world} v{vocab // 1000}k {mp_} mb{mb} s{s} chunk{chunk}" + (f" {label}" if label else "")
+        cases.append(Case(name, world, ("engine.strategy=full_shard", f"engine.mixed_precision={mp_}",
+                                        f"train.micro_batch_size={mb}", f"data.seq_len={s}",
+                                        f"train.loss_chunk_tokens={chunk}",
+                                        *(() if subset else ("data.num_samples=1500",)), *overrides),
+                          vocab=vocab))
+    return cases
+
+
+def _model_file(case: Case, workdir: Path) -> Path:
+    return workdir / ("model.json" if case.vocab is None else f"model-v{case.vocab}.json")
+
+
 def recipe_overrides(case: Case, workdir: Path, index: int) -> list[str]:
-    model = [f"model.config={workdir / 'model.json'}"] if case.own_model else []
+    model = [f"model.config={_model_file(case, workdir)}"] if case.own_model else []
     return [*model, *BASE, f"launch.nproc_per_node={case.world}", f"train.output_dir={workdir / f'run{index}'}",
             *case.overrides]
 
@@ -145,6 +208,9 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
 def measure(cases: list[Case], workdir: Path) -> list[int]:
     """Max over steps of peak_mem_bytes for each case; one spawn per world size."""
     (workdir / "model.json").write_text(json.dumps(MODEL))
+    for c in cases:
+        if c.vocab is not None:
+            _model_file(c, workdir).write_text(json.dumps({**MODEL, "vocab_size": c.vocab}))
     by_world: dict[int, list[int]] = {}
     for i, c in enumerate(cases):
         by_world.setdefault(c.world, []).append(i)

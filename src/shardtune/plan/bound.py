@@ -39,7 +39,7 @@ def peak_upper_bound(recipe: Recipe, *, ranks_per_node: int) -> Bound | None:
     if raw is None or not supported(raw):
         return None
     c = config_namespace(raw)
-    b, s = recipe.train.micro_batch_size, recipe.data.seq_len
+    b, s = recipe.train.micro_batch_size * (2 if recipe.train.objective == "dpo" else 1), recipe.data.seq_len
     h, q, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size
     states = 32 * param_upper_bound(c)
     layer = 4 * b * s * (12 * h + 6 * q + 10 * i) + b * s * s * (8 * c.num_attention_heads + 4) \

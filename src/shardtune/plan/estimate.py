@@ -66,6 +66,8 @@ class Setup:
     device_is_cpu: bool
     nf4: bool = False  # lora.quantize_base=nf4: the units' frozen Linear weights stored and gathered as NF4 bytes
     backward_schedule: str = "staggered"  # overlap | staggered (engine/unit.py; `auto` resolved in from_recipe)
+    loss_chunk: int = 0  # train.loss_chunk_tokens (loss.py): tokens per chunk of the fused head + loss; 0: full logits
+    nf4_tile_bytes: int = 0  # engine.nf4_tile_mb (engine/nf4_linear.py, our backend); 0: torchao's whole weight
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -73,11 +75,14 @@ class Setup:
         return cls(strategy=e.strategy, world=world, nodes=nodes, hybrid_shard_size=e.hybrid_shard_size,
                    compute=DTYPES[e.mixed_precision], reduce=DTYPES[e.reduce_dtype],
                    checkpointing=e.activation_checkpointing, offload=e.cpu_offload, lora=r.lora.enabled,
-                   micro_batch=r.train.micro_batch_size, seq_len=r.data.seq_len, grad_accum=r.train.grad_accum,
+                   micro_batch=rows_per_forward(r), seq_len=r.data.seq_len, grad_accum=r.train.grad_accum,
                    sync_every_microstep=e.sync_every_microstep, prefetch=e.prefetch, packing=r.data.packing,
                    device_is_cpu=device_is_cpu, nf4=r.lora.enabled and r.lora.quantize_base == "nf4",
                    backward_schedule=e.backward_schedule if e.backward_schedule != "auto"
-                   else ("staggered" if device_is_cpu else "overlap"))
+                   else ("staggered" if device_is_cpu else "overlap"),
+                   # DPO's log-probs take the full logits (dpo.py): the chunked loss is SFT's
+                   loss_chunk=r.train.loss_chunk_tokens if r.train.objective == "sft" else 0,
+                   nf4_tile_bytes=int(e.nf4_tile_mb * (1 << 20)) if e.backend == "shardtune" else 0)
 
     @property
     def shard_size(self) -> int:
@@ -86,6 +91,13 @@ class Setup:
         if self.strategy == "hybrid_shard":
             return self.hybrid_shard_size or max(1, self.world // self.nodes)
         return self.world
+
+
+def rows_per_forward(r: Recipe) -> int:
+    """Rows of one training forward. DPO runs a pair's chosen and rejected rows in one forward (2 x micro-batch);
+    its reference costs no resident memory: precomputed log-probs (8 B per pair, host), or (LoRA) a no-grad forward
+    of the same rows before the policy's, whose activations are freed before the policy forward starts."""
+    return r.train.micro_batch_size * (2 if r.train.objective == "dpo" else 1)
 
 
 @dataclass
@@ -155,6 +167,40 @@ def nf4_matmul_bytes(units: list[UnitLayout], c: int) -> int:
     return n * (8 + 3 * c) + n * c // 64
 
 
+def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int) -> tuple[int, int]:
+    """engine/nf4_linear.py: (the reused tile buffer, alive from the first matmul on; the transient of one tiled
+    matmul). The buffer holds the largest tile of any weight (compute dtype); the transient is the tile's int32 code
+    index (2 B/weight of the tile) and, for a weight of several tiles, the backward's fp32 input-gradient
+    accumulator (tokens x in x 4) with one tile's product (tokens x in x c)."""
+    from shardtune.engine.nf4_linear import rows_per_tile
+
+    buf, transient = 0, 0
+    for u in units:
+        for _, (out_f, in_f) in u.quantized_weights:
+            rows = rows_per_tile(out_f, in_f, c, tile)
+            buf = max(buf, rows * in_f * c)
+            acc = tokens * in_f * (4 + c) if rows < out_f else 0
+            transient = max(transient, rows * in_f * 2 + acc)
+    return buf, transient
+
+
+def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool) -> tuple[int, int]:
+    """(forward, backward) transient of the loss, on top of the saved activations.
+    Full logits: logits (b·s·V, compute dtype), their fp32 flattened shifted copy and log_softmax's output; in
+    backward log_softmax's output, its gradient and the gradient of its input (3 fp32 b·(s-1)·V).
+    Chunked (loss.py): one chunk's logits in fp32 (C·V·4; in bf16 also the bf16 logits, then the bf16 gradient:
+    C·V·2) while the gradients are formed in forward: grad_h (b·s·H, compute dtype) and, when the head trains,
+    grad_W (V·H). Both stay until the backward takes them (scaled in place)."""
+    d, c = stats.dims, _size(s.compute)
+    V, tokens = d.vocab, s.micro_batch * s.seq_len
+    if not s.loss_chunk:
+        rows = s.micro_batch * (s.seq_len - 1)
+        return tokens * V * c + 2 * rows * V * 4, 3 * rows * V * 4
+    C = min(s.loss_chunk, tokens)
+    grads = tokens * d.hidden * c + (V * d.hidden * c if head_trains else 0)
+    return C * V * 4 + (C * V * c if c != 4 else 0) + grads, grads
+
+
 def root_activation_bytes(stats: ModelStats, s: Setup) -> int:
     """Saved outside the units: final norm, rotary cos/sin (shared by all layers), input ids."""
     d, bs = stats.dims, s.micro_batch * s.seq_len
@@ -175,7 +221,12 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         return sum(f.padded_numel if f.dtype == torch.uint8 else 0 if aliased and f.dtype == s.compute
                    else f.padded_numel * c for f in u.flats)
 
-    dequant = nf4_matmul_bytes(units, c)
+    tokens = s.micro_batch * s.seq_len
+    tile_buf = 0
+    if s.nf4 and s.lora and s.nf4_tile_bytes:
+        tile_buf, dequant = nf4_tile_bytes(units, c, s.nf4_tile_bytes, tokens)
+    else:
+        dequant = nf4_matmul_bytes(units, c)
 
     shard_bytes = sum(f.shard_bytes() for u in units for f in u.flats)
     train_shard = sum(u.trainable.shard_numel for u in units if u.trainable)
@@ -183,7 +234,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     states_params = shard_bytes + 4 * lora_p
     grads_full = 4 * train_shard + 4 * lora_p
     opt = 8 * train_shard + 8 * lora_p
-    buffers = stats.buffer_bytes()
+    buffers = stats.buffer_bytes() + tile_buf
     # Grads of earlier micro-steps: sharded fp32 (sync every micro-step) or unsharded fp32 per unit (no sync).
     grads_prev = 0
     if s.grad_accum > 1:
@@ -210,10 +261,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     acts = sum(saved) + root_activation_bytes(stats, s)
     last_ckpt = bool(ckpt) and ckpt[-1]
     recompute = per_layer if last_ckpt else 0  # the last unit's full set, recomputed during its backward
-    rows, V = s.micro_batch * (s.seq_len - 1), d.vocab
-    logits = s.micro_batch * s.seq_len * V * c
-    ce_fwd = logits + 2 * rows * V * 4
-    ce_bwd = 3 * rows * V * 4
+    ce_fwd, ce_bwd = loss_bytes(stats, s, root.trainable is not None)
 
     # Gathered units held at the end of forward.
     unit_g = [gathered(u) for u in blocks]

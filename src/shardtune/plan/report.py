@@ -35,6 +35,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                   f"checkpointing={s.checkpointing}, offload={s.offload}, lora={s.lora}"
                   f"{' (nf4 base)' if s.nf4 and s.lora else ''}, "
                   f"micro-batch {s.micro_batch} x seq {s.seq_len}")
+    if plan.stats.recipe.train.objective == "dpo":
+        console.print(dpo_line(plan.stats.recipe))
     if s.nf4 and s.lora:
         from shardtune.plan.planner import quantized_summary
 
@@ -96,3 +98,15 @@ def write_png(plan: Plan, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def dpo_line(r) -> str:
+    """How the plan counts a DPO recipe's reference (both options)."""
+    b = r.train.micro_batch_size
+    pre = r.dpo.precompute_reference
+    precompute = (not r.lora.enabled or r.dpo.sft_warmup_steps > 0) if pre is None else pre
+    ref = ("precomputed: one no-grad pass over every pair when DPO starts, 8 B/pair on the host, no model copy, no "
+           "extra forward per step" if precompute else
+           "the base with the adapters off: one extra no-grad forward of the same rows per micro-step (+~1/3 "
+           "compute), freed before the policy forward, so no resident memory")
+    return f"DPO: micro-batch {b} pair(s) = {2 * b} rows in one forward (chosen + rejected); reference {ref}"

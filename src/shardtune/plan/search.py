@@ -15,6 +15,9 @@ Step-time model (an estimate for ranking, not a benchmark):
             weight dequantizes it first (torchao: ~2·(8 + 3·c) bytes of memory traffic per weight: int64 nibble
             indices, looked-up and scaled halves, the stacked weight, written and read), in forward, in backward and
             in the checkpointed recompute, at the device's memory bandwidth; it does not overlap the matmuls.
+            Tiled (engine.nf4_tile_mb, engine/nf4_linear.py): codes read (0.5 B), int32 index written and read
+            (2 B each way), the tile written by the lookup, read and written by the scaling, read by the matmul
+            (4·c): ~4.5 + 4·c bytes per weight per pass.
   step      max(compute, comm) + offload with prefetch on (comm overlaps compute), compute + comm + offload off.
             engine.backward_schedule=staggered adds what its backward exposes: each unit's reduction and gather
             overlap half of the unit's backward each (overlap: both share the whole of it), and the first unit's
@@ -23,6 +26,7 @@ Step-time model (an estimate for ranking, not a benchmark):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -31,6 +35,8 @@ from shardtune.plan.planner import GiB, Plan, variant
 MFU = 0.4
 HOST_ADAM_GBPS = 10.0
 GPUS_PER_NODE = 8
+DEFAULT_LOSS_CHUNK = 1024  # the schema's train.loss_chunk_tokens default
+DEFAULT_NF4_TILE = 64 << 20  # the schema's engine.nf4_tile_mb default
 
 
 def step_time(plan: Plan) -> dict[str, float]:
@@ -73,7 +79,8 @@ def step_time(plan: Plan) -> dict[str, float]:
         offload += 16 * grads / 4 / (HOST_ADAM_GBPS * 1e9)
     nf4_weights = sum(math.prod(shape) for u in e.units for _, shape in u.quantized_weights)
     passes = 3 if s.checkpointing is not False else 2  # forward, backward (input grad), recompute
-    dequant = passes * s.grad_accum * nf4_weights * 2 * (8 + 3 * c) / (hw.memory_gbps * 1e9)
+    per_weight = 4.5 + 4 * c if s.nf4_tile_bytes else 2 * (8 + 3 * c)
+    dequant = passes * s.grad_accum * nf4_weights * per_weight / (hw.memory_gbps * 1e9)
     compute += dequant
     total = (max(compute, comm) + _staggered_exposure(s, e, compute, comm) if s.prefetch
              else compute + comm) + offload
@@ -163,6 +170,10 @@ class Candidate:
             parts.append(f"lora.quantize_base={'nf4' if s.nf4 else 'null'}")
         if not s.device_is_cpu:
             parts.append(f"engine.backward_schedule={s.backward_schedule}")
+        if s.loss_chunk != (self.plan.recipe.train.loss_chunk_tokens if self.plan.recipe.train.objective == "sft" else 0):
+            parts.append(f"train.loss_chunk_tokens={s.loss_chunk}")
+        if s.nf4 and s.nf4_tile_bytes and s.nf4_tile_bytes != int(self.plan.recipe.engine.nf4_tile_mb * (1 << 20)):
+            parts.append(f"engine.nf4_tile_mb={s.nf4_tile_bytes / (1 << 20):g}")
         return " ".join(parts)
 
 
@@ -180,21 +191,27 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                                   if (lo, q) != (s.lora, s.nf4)] if try_lora else [])
     # Backward schedules: on a GPU overlap (faster) and staggered (one unit less backward memory) both compete.
     schedules = [s.backward_schedule] if s.device_is_cpu else ["overlap", "staggered"]
+    # The chunked loss and the tiled NF4 matmul (issue 21): the recipe's setting, and on when it is off (they cost
+    # no predicted time: the same matmuls, less dequantization traffic). DPO keeps full logits (no chunking).
+    chunks = sorted({s.loss_chunk, s.loss_chunk or DEFAULT_LOSS_CHUNK}) if plan.recipe.train.objective == "sft" \
+        else [s.loss_chunk]
+    tiles = sorted({s.nf4_tile_bytes, s.nf4_tile_bytes or DEFAULT_NF4_TILE}) if plan.recipe.engine.backend == "shardtune" \
+        else [0]
     out = []
-    for strategy, sched in [(st, sc) for st in strategies for sc in schedules]:
-        for ck in (False, True):
-            for off in (False, True):
-                for m in micro:
-                    for lo, q in loras:
-                        setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off,
-                                                    micro_batch=m, grad_accum=per_rank_batch // m, lora=lo, nf4=q,
-                                                    backward_schedule=sched)
-                        p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
-                        if p.fits:
-                            out.append(Candidate(p, step_time(p)))
+    for strategy, sched, ck, off, m, (lo, q), chunk, tile in itertools.product(
+            strategies, schedules, (False, True), (False, True), micro, loras, chunks, tiles):
+        setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off, micro_batch=m,
+                                    grad_accum=per_rank_batch // m, lora=lo, nf4=q, loss_chunk=chunk,
+                                    nf4_tile_bytes=tile, backward_schedule=sched)
+        p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
+        if p.fits:
+            out.append(Candidate(p, step_time(p)))
     # Equal predicted times are common (compute-bound with prefetch: comm hides under compute): prefer no offload,
     # no checkpointing, then the largest micro-batch (fewest micro-steps: the per-step overheads the model leaves
-    # out), then the recipe's own strategy, so `train --fit` changes nothing it has no reason to change.
+    # out), then the recipe's own strategy, loss chunking and NF4 tiling, so `train --fit` changes nothing it has no
+    # reason to change.
     return sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.checkpointing is not False,
                                       -c.plan.setup.micro_batch, c.plan.setup.strategy != s.strategy,
-                                      c.plan.setup.backward_schedule != s.backward_schedule))
+                                      c.plan.setup.backward_schedule != s.backward_schedule,
+                                      c.plan.setup.loss_chunk != s.loss_chunk,
+                                      c.plan.setup.nf4_tile_bytes != s.nf4_tile_bytes))

@@ -1,0 +1,61 @@
+"""torchrun as the launcher runs it: `python -m shardtune.agent REPORT.json TORCHRUN_ARGS...`.
+
+The same elastic agent as `python -m torch.distributed.run`, with two differences. How each failed worker ended
+(rank, exit code or signal, host) goes to REPORT.json for the launcher to put in one line (worker_deaths.py),
+instead of torchrun's ChildFailedError traceback. And the agent's own process-management log lines ("failed
+(exitcode: -9)", "Sending process ... closing signal SIGTERM") are silenced: that line says it all.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+# Loggers of the agent's process management; rendezvous messages (multi-node trouble) stay.
+_QUIET = ("torch.distributed.elastic.multiprocessing", "torch.distributed.elastic.agent",
+          "torch.distributed.launcher", "torch.distributed.run")
+
+
+def _silence_process_logs() -> None:
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(_QUIET):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def main(argv: list[str]) -> int:
+    report, args = Path(argv[0]), argv[1:]
+    # The agent's C++ store client warns with a full C++ stack when the store host (the agent of rank 0's node)
+    # is gone: expected once a job is ending (its workers' messages are in their logs). Read once, when torch
+    # loads; the workers get the user's own setting back.
+    user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    import torch  # noqa: F401
+
+    if user_level is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    else:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = user_level
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    _silence_process_logs()
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        host = socket.gethostname()
+        failures = [{"rank": rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "pid": f.pid,
+                     "timestamp": f.timestamp, "host": host} for rank, f in sorted(e.failures.items())]
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps({"failures": failures}, indent=1))
+        return 1
+    except SignalException as e:  # stopped from outside (the launcher forwards SIGTERM): the workers report
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""`shardtune export --merge`: a LoRA checkpoint -> the base model with the adapters merged, as full HF safetensors.
+
+Streamed: each base weight is read alone (from the base checkpoint's files, mmap), gets its adapter's update
+W + (alpha/r) * B @ A in fp32, is cast back to the base's dtype and appended to the current output file, which is
+written once it reaches `max_shard_bytes`. Peak memory: about one output file plus the adapters (small), never the
+whole model. A random-init base (a run with model.init=random) exists on no disk: it is rebuilt from the run's
+seed, whole (such bases are the small ones of demos and tests).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from shardtune.checkpoint.paths import TRAINER_FILE
+from shardtune.checkpoint.writer import write_safetensors
+from shardtune.errors import UserError
+from shardtune.loading import CheckpointFiles, checkpoint_key
+
+
+def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
+                     progress: Callable[[int, int, str], None] | None = None) -> list[Path]:
+    from peft import LoraConfig
+
+    from shardtune.checkpoint.consolidate import adapter_tensors
+
+    info = json.loads((ckpt / TRAINER_FILE).read_text())
+    if not info.get("lora"):
+        raise UserError(f"export --merge: '{ckpt}' is a full fine-tune, not a LoRA run: export it without --merge")
+    config = LoraConfig.from_pretrained(str(ckpt / "hf"))
+    if getattr(config, "use_rslora", False):
+        raise UserError("export --merge: rsLoRA adapters are not supported: export the adapter without --merge")
+    scale = config.lora_alpha / config.r
+    adapters = adapter_tensors(ckpt)  # {our name: tensor}
+    deltas = _deltas(adapters)
+    recipe = _run_recipe(ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        written = write_safetensors(_merged(_base_tensors(recipe, stack), deltas, scale), out,
+                                    max_shard_bytes=max_shard_bytes, progress=progress)
+    for p in (ckpt / "hf").iterdir():
+        if p.name not in ("params.json", "adapter_config.json"):
+            shutil.copy(p, out / p.name)  # config.json and the tokenizer
+    _generation_config(out)
+    return written
+
+
+def _deltas(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Base weight key -> (A, B): `...q_proj.lora_A.default.weight` pairs with `...q_proj.weight`."""
+    out = {}
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.split(".lora_A.")[0]
+        b = adapters[name.replace(".lora_A.", ".lora_B.")]
+        out[checkpoint_key(module + ".weight")] = (a.float(), b.float())
+    return out
+
+
+def _run_recipe(ckpt: Path):  # -> Recipe
+    from shardtune.config.load import load_recipe
+
+    recipe_file = ckpt.parent.parent / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise UserError(f"export --merge: no recipe.yaml in the run directory '{ckpt.parent.parent}': the base model "
+                        "is unknown; merge from a checkpoint inside its run directory")
+    return load_recipe(recipe_file)
+
+
+def _base_tensors(recipe, stack: ExitStack) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
+    """(key, bytes, read) for every base weight, in file order; `read` loads that one tensor."""
+    if recipe.model.init == "pretrained":
+        files = stack.enter_context(CheckpointFiles(Path(recipe.model.path)))
+        for key in files.files:
+            sl = files.handle(key).get_slice(key)
+            itemsize = {"F32": 4, "BF16": 2, "F16": 2}.get(sl.get_dtype(), 4)
+            yield key, math.prod(sl.get_shape()) * itemsize, (lambda k=key: files.handle(k).get_tensor(k))
+        return
+    from shardtune.model import build_model
+
+    model = build_model(recipe.model, seed=recipe.train.seed)
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) if model.config.tie_word_embeddings else set()
+    for key, t in model.state_dict().items():
+        if key not in tied:
+            yield key, t.numel() * t.element_size(), (lambda t=t: t)
+
+
+def _merged(items: Iterator, deltas: dict, scale: float) -> list[tuple[str, int, Callable[[], torch.Tensor]]]:
+    """The base items, each `read` merging its adapter (if any) in fp32 and casting back to the base's dtype."""
+    def reader(key: str, read: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        if key not in deltas:
+            return read
+        a, b = deltas[key]
+        return lambda: (lambda t: (t.float() + scale * (b @ a)).to(t.dtype))(read())
+
+    items = list(items)
+    missing = sorted(set(deltas) - {key for key, _, _ in items})
+    assert not missing, f"adapters without a base weight: {missing[:3]}"
+    return [(key, nbytes, reader(key, read)) for key, nbytes, read in items]
+
+
+def _generation_config(out: Path) -> None:
+    from transformers import AutoConfig, GenerationConfig
+
+    GenerationConfig.from_model_config(AutoConfig.from_pretrained(out, local_files_only=True)).save_pretrained(out)

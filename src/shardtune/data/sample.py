@@ -1,0 +1,160 @@
+"""Reading the head of a data file without `datasets`: what `validate` checks and what a failed load explains.
+
+`read_sample` reads at most SAMPLE_BYTES of a file (a few rows of a 1 GB jsonl cost the same as of a small one)
+and returns its first rows with their line (text formats) or row (parquet) numbers. Problems are UserErrors
+naming the file and the line, e.g. a truncated JSON line, an empty file, a row that is not an object.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import UserError
+
+SUFFIX_TO_BUILDER = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+SAMPLE_ROWS = 64
+SAMPLE_BYTES = 4 << 20
+
+
+@dataclass
+class Sample:
+    file: Path
+    columns: list[str]
+    rows: list[tuple[int, dict[str, Any]]]  # (line or row number, 1-based; the row)
+    unit: str  # "line" or "row"
+
+
+def data_files(path: Path) -> list[Path]:
+    """The files `data.path` names: itself, or a folder's data files (recursively, sorted)."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIX_TO_BUILDER and p.is_file())
+        if not files:
+            raise UserError(f"data.path: no .jsonl/.json/.parquet/.txt/.csv files in '{path}'")
+        return files
+    if path.suffix not in SUFFIX_TO_BUILDER:
+        raise UserError(f"data.path: '{path.name}' has an unknown suffix: use .jsonl, .json, .parquet, .txt or .csv")
+    return [path]
+
+
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists())
+
+
+def check_not_empty(file: Path) -> None:
+    """An empty (or whitespace-only) file: one clear line instead of datasets' StopIteration."""
+    size = file.stat().st_size
+    if size == 0 or (size <= SAMPLE_BYTES and file.suffix != ".parquet" and not file.read_bytes().strip()):
+        raise UserError(f"data.path: '{file}' is empty: give a file with at least one row")
+
+
+def read_sample(file: Path, limit: int = SAMPLE_ROWS) -> Sample:
+    check_not_empty(file)
+    if file.suffix == ".parquet":
+        return _parquet(file, limit)
+    with open(file, "rb") as f:
+        head = f.read(SAMPLE_BYTES)
+        at_end = not f.read(1)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if at_end or e.start < len(head) - 4:  # not just a character cut at the end of the sample
+            line = head[: e.start].count(b"\n") + 1
+            raise UserError(f"data.path: '{file}' line {line}: not UTF-8 (byte {head[e.start]:#04x}): save the file "
+                            "as UTF-8") from None
+        text = head[: e.start].decode("utf-8")
+    if not at_end:  # the sample ends inside a line: drop that partial line
+        text = text[: text.rfind("\n") + 1] if "\n" in text else text
+    if file.suffix in (".jsonl", ".json"):
+        return _json(file, text, limit, complete=at_end)
+    if file.suffix == ".csv":
+        reader = csv.DictReader(io.StringIO(text))
+        rows = [(i + 2, dict(r)) for i, r in zip(range(limit), reader)]  # line 1 is the header
+        return Sample(file, list(reader.fieldnames or []), rows, "line")
+    lines = text.splitlines()[:limit]
+    return Sample(file, ["text"], [(i + 1, {"text": ln}) for i, ln in enumerate(lines)], "line")
+
+
+def _json(file: Path, text: str, limit: int, *, complete: bool) -> Sample:
+    stripped = text.lstrip()
+    if stripped.startswith("["):  # one JSON array of objects
+        return _json_array(file, text, limit, complete=complete)
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        rows.append((n, parse_json_line(file, n, line)))
+        if len(rows) == limit:
+            break
+    return Sample(file, _columns(r for _, r in rows), rows, "line")
+
+
+def parse_json_line(file: Path, n: int, line: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"data.path: '{file}' line {n}, column {e.colno}: invalid JSON ({e.msg}): fix or remove "
+                        "that line (jsonl: one JSON object per line)") from None
+    if not isinstance(row, dict):
+        raise UserError(f"data.path: '{file}' line {n}: a row must be a JSON object {{...}}, got "
+                        f"{type(row).__name__}")
+    return row
+
+
+def _json_array(file: Path, text: str, limit: int, *, complete: bool) -> Sample:
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    rows = []
+    while len(rows) < limit:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            row, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            if not complete and e.pos >= len(text) - 1:
+                break  # the sample ends inside this object
+            raise UserError(f"data.path: '{file}' line {e.lineno}, column {e.colno}: invalid JSON ({e.msg}): fix "
+                            "the file") from None
+        if not isinstance(row, dict):
+            raise UserError(f"data.path: '{file}' line {text.count(chr(10), 0, pos) + 1}: each element of the JSON "
+                            f"array must be an object {{...}}, got {type(row).__name__}")
+        rows.append((text.count("\n", 0, pos) + 1, row))
+        pos = end
+    return Sample(file, _columns(r for _, r in rows), rows, "line")
+
+
+def _parquet(file: Path, limit: int) -> Sample:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(file)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a broken file
+        raise UserError(f"data.path: '{file}' is not a readable parquet file ({str(e).splitlines()[0][:120]})") from None
+    if pf.metadata.num_rows == 0:
+        raise UserError(f"data.path: '{file}' is empty (0 rows): give a file with at least one row")
+    batch = next(pf.iter_batches(batch_size=limit))
+    return Sample(file, list(pf.schema_arrow.names), [(i + 1, r) for i, r in enumerate(batch.to_pylist())], "row")
+
+
+def _columns(rows: Any) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in rows:
+        seen.update(dict.fromkeys(r))
+    return list(seen)
+
+
+def find_bad_json_line(file: Path) -> UserError | None:
+    """The first line of a jsonl file that does not parse (a full scan: only after a load has failed)."""
+    with open(file, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    parse_json_line(file, n, line.rstrip("\r\n"))
+                except UserError as e:
+                    return e
+    return None

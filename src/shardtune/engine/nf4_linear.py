@@ -1,0 +1,146 @@
+"""A Linear over a frozen NF4 weight, computed in tiles of output rows: no full dequantized weight is ever alive.
+
+torchao's `linear_nf4` dequantizes the whole weight per matmul, in forward and again in backward, through
+`get_original_weight`: two int64 nibble-index tensors (8 B/weight), the looked-up and scaled halves and the stacked
+result, ~14 B per weight at its peak in bf16 (3.1 GiB for one 8192x28672 weight). A frozen weight needs no gradient,
+so the matmuls split over row tiles W[t] (whole 64-element quantization blocks):
+
+  forward   y[:, t] = x @ W[t]^T          backward  grad_x = sum_t grad_y[:, t] @ W[t]
+
+and only one tile is dequantized at a time, into a buffer reused by every tile and every weight. Dequantizing a
+tile: one 256-entry table maps each code byte to its two NF4 levels (in the weight's dtype), `index_select` with an
+int32 index writes them straight into the buffer (2 B/weight of index in bf16), then each 64-element block is
+multiplied by its scaler in place. The same elementwise operations as torchao's (a level times its block's
+dequantized scaler, in the weight's dtype), so each tile is bit-identical to the rows of `get_original_weight()`.
+
+`TiledNF4Tensor` is torchao's `NF4Tensor` with `F.linear` routed here; autograd saves only it (views of the
+gathered bytes: no copy), never the input. The tile buffer is the only dequantized storage, its size set by bytes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardtune.engine.nf4 import NF4Tensor, codebook
+from shardtune.engine.nf4_layout import BLOCK
+
+_BUFFERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the reused tile buffer, per dtype/device
+
+
+class TiledNF4Tensor(NF4Tensor):
+    """An NF4Tensor whose `F.linear` dequantizes row tiles of at most `tile_bytes` (set after construction)."""
+
+    tile_bytes: int = 64 << 20
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is F.linear:
+            x, w, *rest = args
+            bias = rest[0] if rest else (kwargs or {}).get("bias")
+            if isinstance(w, TiledNF4Tensor) and not isinstance(x, NF4Tensor):
+                y = _TiledLinear.apply(x, w)
+                return y if bias is None else y + bias
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def tile_rows(w: NF4Tensor, tile_bytes: int) -> int:
+    return rows_per_tile(w.shape[0], w.shape[1], w.dtype.itemsize, tile_bytes)
+
+
+def rows_per_tile(out_f: int, in_f: int, elem: int, tile_bytes: int) -> int:
+    """Rows per tile: as many as fit in `tile_bytes`, a multiple of the rows that hold whole 64-element blocks
+    (at least one such group, whatever `tile_bytes` says)."""
+    align = BLOCK // _gcd(in_f, BLOCK)
+    rows = max(align, tile_bytes // max(1, in_f * elem) // align * align)
+    return min(rows, out_f)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < numel:
+        _BUFFERS.pop(key, None)  # the old one is freed before the larger one exists
+        buf = _BUFFERS[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
+
+
+def release_buffers() -> None:
+    """Drop the tile buffers (tests; after training)."""
+    _BUFFERS.clear()
+
+
+_PAIRS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _byte_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(256, 2): code byte -> (level of its high nibble, level of its low nibble), torchao's element order."""
+    key = (dtype, torch.device(device))
+    if key not in _PAIRS:
+        nf4 = codebook(dtype, device)
+        b = torch.arange(256, device=device)
+        _PAIRS[key] = torch.stack([nf4[b >> 4], nf4[b & 15]], dim=1).contiguous()
+    return _PAIRS[key]
+
+
+def dequantize_rows(w: NF4Tensor, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows [r0, r1) of the weight into `out` (1D, >= (r1-r0)*in elements, w.dtype); returns the (rows, in) view."""
+    in_f = w.shape[1]
+    e0, e1 = r0 * in_f, r1 * in_f
+    assert e0 % BLOCK == 0 and e1 % BLOCK == 0, "tiles hold whole quantization blocks"
+    b0, b1 = e0 // BLOCK, e1 // BLOCK
+    tile = out[:e1 - e0]
+    codes = w.quantized_data[e0 // 2:e1 // 2].to(torch.int32)
+    torch.index_select(_byte_table(w.dtype, w.device), 0, codes, out=tile.view(-1, 2))
+    del codes
+    # Block scalers, as torchao's dequantize_scalers: int8 / factor of its scaler block, in the weight's dtype, + mean
+    sb = w.scaler_block_size
+    blocks = torch.arange(b0, b1, device=w.device)
+    scalers = (w.quantized_scalers[b0:b1] / w.quantization_factor[blocks // sb]).to(w.dtype) + w.scaler_mean
+    tile.view(b1 - b0, BLOCK).mul_(scalers[:, None])
+    return tile.view(r1 - r0, in_f)
+
+
+class _TiledLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: TiledNF4Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w)  # views of the gathered NF4 bytes: nothing new is kept alive
+        out_f, in_f = w.shape
+        # torchao computes in the input's dtype (the weight cast to it): so do the tiles
+        x2 = x.reshape(-1, in_f)
+        y = torch.empty(x2.shape[0], out_f, dtype=x.dtype, device=x.device)
+        rows = tile_rows(w, w.tile_bytes)
+        buf = _buffer(rows * in_f, w.dtype, w.device)
+        for r0 in range(0, out_f, rows):
+            r1 = min(out_f, r0 + rows)
+            wt = dequantize_rows(w, r0, r1, buf).to(x.dtype)
+            if rows == out_f:
+                torch.mm(x2, wt.t(), out=y)
+            else:
+                y[:, r0:r1].copy_(x2 @ wt.t())  # N x rows: one tile's output columns
+        return y.view(*x.shape[:-1], out_f)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:
+        (w,) = ctx.saved_tensors
+        out_f, in_f = w.shape
+        g2 = grad_y.reshape(-1, out_f)
+        rows = tile_rows(w, w.tile_bytes)
+        buf = _buffer(rows * in_f, w.dtype, w.device)
+        if rows >= out_f:
+            gx = g2 @ dequantize_rows(w, 0, out_f, buf).to(grad_y.dtype)
+            return gx.view(*grad_y.shape[:-1], in_f), None
+        # A sum over tiles: accumulated in fp32 (each tile's product rounded once to the compute dtype), so a bf16
+        # run sees about the one rounding of torchao's single matmul, not one per tile. N x in x 4 bytes.
+        acc = torch.zeros(g2.shape[0], in_f, dtype=torch.float32, device=grad_y.device)
+        for r0 in range(0, out_f, rows):
+            r1 = min(out_f, r0 + rows)
+            acc.add_(g2[:, r0:r1] @ dequantize_rows(w, r0, r1, buf).to(grad_y.dtype))
+        return acc.to(grad_y.dtype).view(*grad_y.shape[:-1], in_f), None

@@ -1,0 +1,195 @@
+"""`shardtune generate` and `shardtune chat`: try a trained model in one process, on CPU or one GPU.
+
+What can be given: a run directory (its final/, else its newest checkpoint), a final/ or exported folder (a full HF
+model or a PEFT adapter), or a sharded checkpoint (consolidated into a temporary folder first). The run's
+recipe.yaml, found beside or above it, says how prompts were rendered in training (data.format, data.template,
+model.chat_template) and, for an adapter, which base it was trained over.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardtune.checkpoint.paths import TRAINER_FILE
+from shardtune.config.schema import Recipe
+from shardtune.errors import UserError
+
+if TYPE_CHECKING:  # torch and transformers load only once the target is known to be a model (a typo costs ~0 s)
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Loaded:
+    model: PreTrainedModel
+    tok: PreTrainedTokenizerBase
+    recipe: Recipe | None
+
+
+def find_recipe(target: Path) -> Recipe | None:
+    """recipe.yaml in the target or up to two folders above it (final/ -> run, step_N -> checkpoints -> run)."""
+    from shardtune.config.load import load_recipe
+
+    for d in (target, target.parent, target.parent.parent):
+        if (d / "recipe.yaml").is_file():
+            return load_recipe(d / "recipe.yaml")
+    return None
+
+
+def check_target(target: Path) -> None:
+    """A one-line error for a target that holds no model, before anything heavy is imported."""
+    if not target.exists():
+        raise UserError(f"generate: '{target}' does not exist: give a run directory, its final/ or a checkpoint")
+    if (target / "recipe.yaml").is_file() or (target / "latest").is_file():
+        return
+    if not any((target / f).is_file() for f in ("config.json", "adapter_config.json", TRAINER_FILE)):
+        raise UserError(f"generate: '{target}' is neither a run directory, a model folder (config.json) nor a "
+                        "checkpoint (trainer.json): point it at one of those")
+
+
+@contextmanager
+def model_folder(target: Path) -> Iterator[Path]:
+    """The HF folder (full model or adapter) behind `target`; a checkpoint is consolidated into a temp folder."""
+    if (target / "recipe.yaml").is_file():  # a run directory
+        if (target / "final").is_dir():
+            yield target / "final"
+            return
+        target = target / "checkpoints"
+    if (target / "latest").is_file():
+        target = target / (target / "latest").read_text().strip()
+    if (target / TRAINER_FILE).is_file():
+        from shardtune.checkpoint.consolidate import export_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="shardtune-generate-") as tmp:
+            export_checkpoint(target, Path(tmp))
+            yield Path(tmp)
+        return
+    check_target(target)
+    yield target
+
+
+def load(target: Path, device: str) -> Loaded:
+    check_target(target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars: noise before a one-line answer
+    recipe = find_recipe(target)
+    with model_folder(target) as folder:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        if (folder / "adapter_config.json").is_file():
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(_base(folder, recipe), str(folder)).merge_and_unload()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    if recipe is not None:
+        from shardtune.data.templates import resolve_chat_template
+
+        tok.chat_template = resolve_chat_template(tok.chat_template, recipe.model.chat_template)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return Loaded(model.to(_device(device)).eval(), tok, recipe)
+
+
+def _base(folder: Path, recipe: Recipe | None) -> PreTrainedModel:
+    """The model an adapter was trained over: the recipe's checkpoint, or its seeded random init."""
+    from transformers import AutoModelForCausalLM
+
+    if recipe is None:
+        raise UserError(f"generate: '{folder}' is a LoRA adapter but no recipe.yaml is beside or above it: the base "
+                        "model is unknown; export with `shardtune export --merge` or give the run directory")
+    if recipe.model.init == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(recipe.model.path, local_files_only=True)
+    from shardtune.model import build_model
+
+    return build_model(recipe.model, seed=recipe.train.seed)  # the same seeded weights the run started from
+
+
+def _device(device: str) -> torch.device:
+    import torch
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device}: choose auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible here: use --device cpu")
+    return torch.device(device)
+
+
+def render(loaded: Loaded, prompt: str, history: list[dict[str, str]] | None = None) -> str:
+    """The text the model continues, in the shape of its training data."""
+    r, tok = loaded.recipe, loaded.tok
+    fmt = _single(r, "format") if r is not None else "text"
+    if fmt == "chat":
+        if not tok.chat_template:
+            raise UserError("generate: the run trained on chat data but the tokenizer has no chat template: set "
+                            "model.chat_template in the recipe")
+        messages = [*(history or []), {"role": "user", "content": prompt}]
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if fmt == "instruction":
+        from shardtune.data.templates import render_prompt
+
+        return (tok.bos_token or "") + render_prompt(_single(r, "template"), prompt)
+    return (tok.bos_token or "") + prompt
+
+
+def _single(recipe: Recipe, key: str) -> Any:
+    """A data setting of the run; a mix uses its first dataset's (each part may set its own)."""
+    value = getattr(recipe.data, key)
+    path = recipe.data.path
+    if isinstance(path, (list, tuple)) and path and isinstance(path[0], dict) and key in path[0]:
+        return path[0][key]
+    return value
+
+
+def complete(loaded: Loaded, text: str, s: Sampling) -> str:
+    """One completion. The seed is set per call: the same prompt and seed give the same sample."""
+    import torch
+
+    tok, model = loaded.tok, loaded.model
+    enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    torch.manual_seed(s.seed)
+    sample = s.temperature > 0
+    with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=s.max_new_tokens, do_sample=sample,
+                             temperature=s.temperature if sample else None, top_p=s.top_p if sample else None,
+                             top_k=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def chat_loop(loaded: Loaded, s: Sampling, stdin: Any = sys.stdin, stdout: Any = sys.stdout) -> None:
+    """One reply per input line until EOF or /exit. Chat-trained runs keep the conversation; others answer each
+    line alone (they were trained on single prompts). /reset forgets the conversation."""
+    keeps = loaded.recipe is not None and _single(loaded.recipe, "format") == "chat"
+    tty = stdin.isatty()
+    history: list[dict[str, str]] = []
+    if tty:
+        print("type a message, /reset to start over, /exit or Ctrl-D to leave", file=stdout)
+    while True:
+        if tty:
+            print("> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line or line.strip() == "/exit":
+            return
+        prompt = line.rstrip("\n")
+        if prompt.strip() == "/reset":
+            history = []
+            continue
+        reply = complete(loaded, render(loaded, prompt, history if keeps else None), s)
+        print(reply, file=stdout, flush=True)
+        if keeps:
+            history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]

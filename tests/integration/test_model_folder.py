@@ -1,0 +1,75 @@
+"""`model.path=DIR` makes DIR the model: a local HF checkpoint folder with its own BPE tokenizer trains with just
+`model.path=DIR model.init=pretrained` on the demo recipe (whose own model.config and builtin:char tokenizer yield,
+with one line saying so); a folder without config.json is one line, exit 2."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from shardtune.config.load import load_recipe
+from tests.integration.runs import FAST, cli, losses
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def write_checkpoint(folder: Path) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer trained with `tokenizers` on a few lines, and a tiny Llama sized to it, saved as HF does."""
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    corpus = [f"reverse {w}={w[::-1]}" for w in ("abcdef", "hello", "shardtune", "xyzzy", "qwerty")] * 20
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>", model_input_names=["input_ids", "attention_mask"])
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("own") / "my-model"
+    write_checkpoint(folder)
+    return folder
+
+
+def test_model_folder_brings_its_config_and_tokenizer(checkpoint, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli("train", "tiny-cpu", f"model.path={checkpoint}", "model.init=pretrained",
+               f"train.output_dir={run_dir}", *FAST, "train.max_steps=3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("note: model.path=")]
+    assert len(notes) == 2 and "model.config" in notes[0] and "model.tokenizer" in notes[1], proc.stderr[-2000:]
+    assert len(losses(run_dir)) == 3
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    assert recipe.model.config is None and recipe.model.tokenizer is None
+    # final/ is the folder's architecture and tokenizer, not the recipe's tiny-llama and builtin:char
+    saved = json.loads((run_dir / "final" / "config.json").read_text())
+    assert saved["vocab_size"] == json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    text = "reverse hello=olleh"
+    assert (AutoTokenizer.from_pretrained(run_dir / "final")(text)["input_ids"]
+            == AutoTokenizer.from_pretrained(checkpoint)(text)["input_ids"])
+
+
+def test_explicit_command_line_keys_still_win(checkpoint, tmp_path, capsys):
+    from shardtune.config.load import load_recipe_config
+
+    cfg = load_recipe_config("tiny-cpu", [f"model.path={checkpoint}", "model.tokenizer=builtin:char"])
+    assert cfg.model.tokenizer == "builtin:char" and cfg.model.config is None
+    assert "model.tokenizer" not in capsys.readouterr().err
+
+
+def test_folder_without_config_is_one_line(checkpoint, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes())
+    proc = cli("validate", "tiny-cpu", f"model.path={bare}", "model.init=pretrained", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "config.json" in proc.stderr and "Traceback" not in proc.stderr

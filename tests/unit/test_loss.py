@@ -1,0 +1,78 @@
+"""The chunked head + cross-entropy (loss.py) against today's full-logits path: loss and every gradient."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardtune.bundled import CONFIGS_DIR
+from shardtune.config.schema import LoraConfig
+from shardtune.lora import apply_lora
+from shardtune.loss import linear_cross_entropy, token_loss_sum
+
+
+def _model(name: str) -> torch.nn.Module:
+    cfg = AutoConfig.from_pretrained(str(CONFIGS_DIR / "models" / f"{name}.json"))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (3, 17), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(3, 17, generator=g) < 0.25] = -100
+    return ids, labels, torch.arange(17).expand(3, 17)
+
+
+@pytest.mark.parametrize("name,lora", [("tiny-llama", False), ("tiny-qwen2", False), ("tiny-llama", True)])
+def test_chunked_loss_equals_full_logits(name, lora):
+    """tiny-qwen2 ties its embedding and head: both uses of the one table get their gradient. LoRA: frozen head."""
+    ref = _model(name)
+    if lora:
+        apply_lora(ref, LoraConfig(enabled=True, r=4, target_modules=["q_proj", "v_proj", "up_proj"]))
+        for n, p in ref.named_parameters():  # peft's B starts at zero: make the adapters matter
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1)
+    model = copy.deepcopy(ref)
+    ids, labels, pos = _batch(ref.config.vocab_size)
+    targets = int((labels[:, 1:] != -100).sum())
+    (token_loss_sum(ref, ids, labels, pos, chunk_tokens=0) / targets).backward()
+    # 7 tokens per chunk: does not divide 3*17, so the last chunk is short
+    loss = token_loss_sum(model, ids, labels, pos, chunk_tokens=7) / targets
+    loss.backward()
+    ref_loss = token_loss_sum(ref, ids, labels, pos, chunk_tokens=0).detach() / targets
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-6, atol=0)
+    grads = [(n, p.grad, dict(model.named_parameters())[n].grad) for n, p in ref.named_parameters() if p.requires_grad]
+    assert grads and all(g is not None for _, g, _ in grads)
+    for n, want, got in grads:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_linear_cross_entropy_no_grad_and_all_ignored():
+    """Under no_grad (eval) no gradient buffers are made; rows with no target add nothing."""
+    h, w = torch.randn(10, 8), torch.randn(33, 8)
+    t = torch.full((10,), -100)
+    t[3] = 5
+    with torch.no_grad():
+        got = linear_cross_entropy(h, w, t, chunk_tokens=4)
+    want = torch.nn.functional.cross_entropy(h @ w.t(), t, ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(got, want)
+
+
+def test_bf16_head_matches_the_upcast_path():
+    """bf16 compute: logits in bf16, softmax in fp32, gradient cast back to bf16, as `logits.float()` does."""
+    torch.manual_seed(1)
+    h = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(300, 32, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 300, (64,))
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy((h @ w.t()).float(), t, reduction="sum")
+    ref.backward()
+    got = linear_cross_entropy(h2, w2, t, chunk_tokens=16)
+    got.backward()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(h2.grad, h.grad, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(w2.grad, w.grad, rtol=2e-2, atol=1e-2)

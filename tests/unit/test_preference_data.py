@@ -1,0 +1,115 @@
+"""data.format=preference: pair layout in the cache, prompt masking, truncation, chat rows, field remapping, pairs
+kept whole across ranks and micro-batches, and bad rows through the installed executable."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from shardtune.config.schema import DataConfig
+from shardtune.data import build_data
+from shardtune.data.char_tokenizer import build_char_tokenizer
+from shardtune.data.formats import IGNORE
+from shardtune.data.preference import PairBatches, encode_pair, truncate_pair
+from tests.unit.cli_helpers import run_cli
+
+TOK = build_char_tokenizer()
+SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
+
+
+def test_truncation_keeps_prompt_end_and_response_start():
+    p, c, r = list(range(100, 120)), list(range(200, 230)), list(range(300, 310))
+    tp, tc, tr, cut = truncate_pair(p, c, r, 32)
+    assert cut and len(tp) == 16 and tp == p[-16:]  # the prompt keeps seq_len // 2 tokens: its end
+    assert tc == c[:16] and tr == r  # one budget for both responses: their start
+    assert truncate_pair(p[:4], c, r, 32)[0] == p[:4]  # a short prompt is kept whole
+    assert truncate_pair(p[:4], c[:5], r, 32)[3] is False
+
+
+def _pairs(data, split="train"):
+    rows = getattr(data, split)
+    ids, labels, _ = rows.take(np.arange(len(rows)))
+    return ids, labels
+
+
+def test_builtin_pairs_share_the_prompt_and_mask_it(tmp_path):
+    cfg = DataConfig(path="builtin:prefer-reverse", format="preference", seq_len=32, num_samples=60)
+    data = build_data(cfg, TOK, seed=0, output_dir=str(tmp_path))
+    ids, labels = _pairs(data)
+    assert len(ids) == 2 * data.manifest["stats"]["train"]["pairs"] > 0
+    for k in range(0, len(ids), 2):
+        chosen, rejected = (TOK.decode(x[x != TOK.pad_token_id]) for x in ids[k : k + 2])
+        prompt = chosen.split("=")[0]
+        assert rejected.startswith(prompt + "=")
+        s = prompt.split()[-1]
+        assert chosen == f"{prompt}={s[::-1]}</s>" and rejected != chosen
+        for x, y in zip(ids[k : k + 2], labels[k : k + 2]):  # targets: exactly the response (and EOS)
+            assert TOK.decode(x[y != IGNORE]).rstrip("</s>") in (s[::-1], rejected.split("=")[1].rstrip("</s>"))
+            n = 1 + len(TOK(prompt.removeprefix("<s>") + "=", add_special_tokens=False)["input_ids"])  # + BOS
+            assert (y[:n] == IGNORE).all() and y[n] != IGNORE
+
+
+def test_chat_rows_and_remapped_fields(tmp_path):
+    msgs = [{"role": "user", "content": "hi"}]
+    rows = [{"q": msgs, "good": [{"role": "assistant", "content": "yo"}], "bad": "no"}] * 3
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataConfig(path=str(path), format="preference", seq_len=64, prompt_field="q", chosen_field="good",
+                     rejected_field="bad", eval_fraction=0.0)
+    p, c, r = encode_pair(rows[0], cfg, TOK)
+    full = list(TOK.apply_chat_template(msgs + [{"role": "assistant", "content": "yo"}], tokenize=True,
+                                        return_dict=True)["input_ids"])
+    assert p + c == full and TOK.decode(r).startswith("no")
+    ids, labels = _pairs(build_data(cfg, TOK, seed=0, output_dir=str(tmp_path)))
+    assert TOK.decode(ids[0][labels[0] != IGNORE]) == TOK.decode(c)
+
+
+def test_pairs_stay_whole_across_ranks_and_micro_batches(tmp_path):
+    cfg = DataConfig(path="builtin:prefer-reverse", format="preference", seq_len=32, num_samples=80)
+    data = build_data(cfg, TOK, seed=0, output_dir=str(tmp_path))
+    one = PairBatches(data.train, micro_batch_size=4, grad_accum=2, world_size=1, seed=3)
+    two = PairBatches(data.train, micro_batch_size=2, grad_accum=2, world_size=2, seed=3)
+    for step in range(3):
+        ref, norm = one.step(step, 0)
+        assert norm == 8
+        got = [two.step(step, r)[0] for r in range(2)]
+        # the same 8 pairs per step; each micro-batch = b chosen rows then their b rejected rows
+        assert sorted(np.concatenate([m.pair_ids for m in ref]).tolist()) == \
+            sorted(np.concatenate([m.pair_ids for ms in got for m in ms]).tolist())
+        for mb in ref + [m for ms in got for m in ms]:
+            b = len(mb.pair_ids)
+            assert mb.input_ids.shape[0] == 2 * b
+            for i in range(b):
+                pc = TOK.decode(mb.input_ids[i]).split("=")[0]
+                assert TOK.decode(mb.input_ids[b + i]).split("=")[0] == pc
+
+
+def _write(tmp_path: Path, rows: list[dict]) -> list[str]:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return ["prepare", "tiny-dpo-cpu", f"data.path={path}", f"train.output_dir={tmp_path / 'run'}",
+            "data.eval_fraction=0"]
+
+
+def test_rows_without_rejected_are_one_line_exit_2(tmp_path, capsys):
+    good = {"prompt": "x", "chosen": "y", "rejected": "z"}
+    # the installed executable: a file with no rejected column at all
+    proc = subprocess.run([SHARDTUNE, *_write(tmp_path, [{"prompt": "a", "chosen": "b"}] * 2)], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(err) == 1 and "rejected" in err[0], proc.stderr
+    # in-process (same main()): one row with rejected null
+    code, _, err = run_cli(_write(tmp_path, [good, {"prompt": "a", "chosen": "b", "rejected": None}]), capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "row 1 has no 'rejected'" in lines[0], err
+
+
+def test_identical_pairs_are_dropped_counted_and_warned(tmp_path, capsys):
+    rows = [{"prompt": "x", "chosen": "y", "rejected": "z"}, {"prompt": "x", "chosen": "same", "rejected": "same"}]
+    code, out, err = run_cli(_write(tmp_path, rows), capsys)
+    assert code == 0, err
+    assert "warning: data: 1 preference rows have chosen identical to rejected" in err  # the CLI's one-line voice
+    assert "preference pairs: 1 train, 0 eval; 1 dropped" in out

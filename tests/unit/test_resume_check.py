@@ -1,0 +1,99 @@
+"""Resume checks (resume_check.py): `shardtune train` refuses a checkpoint of another model (exit 2, naming the keys)
+or of other data (exit 2 unless train.resume=force), and keeps the global batch at another world size. The
+checkpoint here is its trainer.json alone, as the worker writes it: the launcher decides before any worker starts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardtune.config.load import load_recipe_config, to_recipe
+from shardtune.resume_check import fingerprint
+from tests.unit.cli_helpers import run_cli
+
+BASE = ["data.num_samples=300", "data.seq_len=64", "train.max_steps=6"]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A run of tiny-cpu (2 workers x micro-batch 8) with a complete checkpoint at step 6."""
+    run = tmp_path / "run"
+    recipe = to_recipe(load_recipe_config("tiny-cpu", [*BASE, f"train.output_dir={run}"]))
+    ckpt = run / "checkpoints" / "step_6"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 6, "world_size": 2,
+                                                    "fingerprint": fingerprint(recipe, 2)}))
+    return run
+
+
+def train(run_dir: Path, capsys, *overrides: str) -> tuple[int, str]:
+    code, _, err = run_cli(["train", "tiny-cpu", *BASE, f"train.output_dir={run_dir}", "launch.device=cpu",
+                            "--no-check", *overrides], capsys)
+    return code, err
+
+
+@pytest.mark.parametrize("override,keys", [
+    ("model.config=configs/models/tiny-qwen2.json", ["model.architecture"]),
+    ("model.tokenizer=configs/models", ["model.tokenizer"]),
+    ("lora.enabled=true", ["lora.enabled", "lora.r", "lora.target_modules"]),
+], ids=["model", "tokenizer", "lora"])
+def test_another_model_is_exit_2_naming_the_keys_even_with_force(run_dir, capsys, override, keys):
+    for resume in ("auto", "force"):
+        code, err = train(run_dir, capsys, override, f"train.resume={resume}")
+        assert code == 2 and "another model" in err and "Traceback" not in err, err
+        assert all(k in err for k in keys) and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_lora_rank_change_is_another_model(tmp_path, capsys):
+    run = tmp_path / "run"
+    lora = ["lora.enabled=true", "lora.r=8", f"train.output_dir={run}"]
+    recipe = to_recipe(load_recipe_config("tiny-cpu", [*BASE, *lora]))
+    ckpt = run / "checkpoints" / "step_6"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 6, "fingerprint": fingerprint(recipe, 2)}))
+    code, err = train(run, capsys, *lora[:1], "lora.r=16")
+    assert code == 2 and "lora.r 8 -> 16" in err, err
+
+
+@pytest.mark.parametrize("override,key", [
+    ("data.seq_len=32", "data.seq_len 64 -> 32"),
+    ("data.format=text", "data.format 'instruction' -> 'text'"),
+    ("train.seed=1", "train.seed 0 -> 1"),
+    ("train.micro_batch_size=4", "global_batch 16 -> 8"),
+    ("model.chat_template=chatml", "model.chat_template None -> 'chatml'"),
+], ids=["seq_len", "format", "seed", "global-batch", "chat-template"])
+def test_other_data_is_exit_2_unless_forced(run_dir, capsys, override, key):
+    code, err = train(run_dir, capsys, override)
+    assert code == 2 and key in err and "train.resume=force" in err, err
+
+
+@pytest.mark.parametrize("nproc,fix", [
+    (3, "use a number of workers that divides 16"),
+    (4, "use train.micro_batch_size=1 train.grad_accum=4 or train.micro_batch_size=2 train.grad_accum=2 or "
+        "train.micro_batch_size=4 train.grad_accum=1"),
+])
+def test_a_world_that_cannot_keep_the_global_batch_is_exit_2_with_values_that_work(run_dir, capsys, nproc, fix):
+    # 4 workers x micro-batch 8 = 32 > 16; 3 workers cannot divide 16 at all
+    code, err = train(run_dir, capsys, f"launch.nproc_per_node={nproc}")
+    assert code == 2 and "global batch of 16" in err and fix in err, err
+
+
+def test_another_world_scales_grad_accum(run_dir):
+    from shardtune.resume_check import check_resume
+
+    cfg = load_recipe_config("tiny-cpu", [*BASE, f"train.output_dir={run_dir}", "launch.nproc_per_node=1"])
+    out = check_resume(cfg, to_recipe(cfg), 1)
+    assert out.train.grad_accum == 2 and out.train.micro_batch_size == 8
+    assert cfg.train.grad_accum == 1  # the caller's config is left alone
+
+
+def test_dpo_settings_are_part_of_the_objective():
+    from shardtune.resume_check import DATA, _changes
+
+    def fp(*overrides: str) -> dict:
+        return fingerprint(to_recipe(load_recipe_config("tiny-dpo-cpu", list(overrides))), 2)
+
+    assert _changes(DATA, fp(), fp("dpo.beta=0.5", "dpo.loss=ipo")) == ["dpo.beta 4.0 -> 0.5",
+                                                                        "dpo.loss 'sigmoid' -> 'ipo'"]
+    assert _changes(DATA, fp(), fp("train.lr=1e-3")) == []  # lr is not the objective: allowed with a notice

@@ -1,0 +1,50 @@
+"""How the launcher words a worker's death (worker_deaths.py), from the agent's report and the ranks' logs. The real
+SIGKILL through the CLI: tests/integration/test_checkpoint.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardtune.worker_deaths import EXIT_WORKER_DIED, describe, rank_log
+
+PEER_LOST = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: [pair.cc:553] "
+             "Connection closed by peer [127.0.0.1]:22164\n")
+
+
+def failure(rank: int, exitcode: int, timestamp: int = 100) -> dict:
+    return {"rank": rank, "local_rank": rank, "exitcode": exitcode, "pid": 1000 + rank, "timestamp": timestamp,
+            "host": "node7"}
+
+
+def write_log(run: Path, rank: int, text: str) -> None:
+    rank_log(run, rank).parent.mkdir(parents=True, exist_ok=True)
+    rank_log(run, rank).write_text(text)
+
+
+def test_the_signalled_rank_is_named_not_the_one_that_lost_its_peer(tmp_path):
+    write_log(tmp_path, 0, PEER_LOST)  # rank 0 failed first on the broken connection, rank 1 was SIGKILLed
+    code, line = describe([failure(0, 1, timestamp=99), failure(1, -9)], tmp_path, 2)
+    assert code == EXIT_WORKER_DIED
+    assert line.startswith("rank 1 on node7 was killed by SIGKILL: probably the out-of-memory killer: check `dmesg`")
+    assert line.endswith("; the other ranks were stopped") and "\n" not in line
+
+
+def test_a_native_crash_points_to_its_log(tmp_path):
+    write_log(tmp_path, 1, "Fatal Python error: Segmentation fault\n")
+    code, line = describe([failure(1, -11)], tmp_path, 1)
+    assert code == EXIT_WORKER_DIED and "SIGSEGV" in line and str(rank_log(tmp_path, 1)) in line
+    assert "other ranks" not in line  # a single worker has none
+
+
+def test_an_exit_without_our_message_names_the_rank_and_its_log(tmp_path):
+    code, line = describe([failure(3, 7)], tmp_path, 4)
+    assert code == EXIT_WORKER_DIED
+    assert line == (f"rank 3 on node7 exited with code 7 without a message: see {rank_log(tmp_path, 3)}; "
+                    "the other ranks were stopped")
+
+
+def test_a_traceback_is_an_internal_error_unless_a_peer_was_lost(tmp_path):
+    write_log(tmp_path, 0, "Traceback (most recent call last):\nKeyError: 'x'\n")
+    assert describe([failure(0, 1)], tmp_path, 2)[0] == 1
+    write_log(tmp_path, 0, PEER_LOST)  # on the other node of a multi-node job: a consequence
+    code, line = describe([failure(0, 1)], tmp_path, 2)
+    assert code == EXIT_WORKER_DIED and "lost its connection to another rank" in line
