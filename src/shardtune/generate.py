@@ -157,18 +157,34 @@ def _single(recipe: Recipe, key: str) -> Any:
 
 
 def complete(loaded: Loaded, text: str, s: Sampling) -> str:
-    """One completion. The seed is set per call: the same prompt and seed give the same sample."""
+    """One completion. The seed is set per call: the same prompt and seed give the same sample. A chat reply ends
+    at EOS or at the chat template's end of turn (chatml's `<|im_end|>`: what the run was trained to emit there)."""
     import torch
 
     tok, model = loaded.tok, loaded.model
     enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
     torch.manual_seed(s.seed)
     sample = s.temperature > 0
+    stop = turn_end(loaded)
     with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=s.max_new_tokens, do_sample=sample,
+        out = model.generate(**enc, max_new_tokens=s.max_new_tokens, do_sample=sample,
                              temperature=s.temperature if sample else None, top_p=s.top_p if sample else None,
-                             top_k=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                             top_k=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                             **({"stop_strings": [stop], "tokenizer": tok} if stop else {}))
+    reply = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return reply.split(stop, 1)[0] if stop else reply
+
+
+def turn_end(loaded: Loaded) -> str | None:
+    """The text a chat template writes after an assistant's message (stripped; a bare newline stays), found by
+    rendering one; None for runs not trained on chats."""
+    if loaded.recipe is None or _single(loaded.recipe, "format") != "chat" or not loaded.tok.chat_template:
+        return None
+    sentinel = "\x00reply\x00"
+    text = loaded.tok.apply_chat_template([{"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": sentinel}], tokenize=False)
+    after = text.split(sentinel, 1)[1]
+    return after.strip() or (after[:1] if after else None)
 
 
 def chat_loop(loaded: Loaded, s: Sampling, stdin: Any = sys.stdin, stdout: Any = sys.stdout) -> None:

@@ -1,7 +1,8 @@
 """DPO through the real trainer (train.setup + train.train_step): fp32, 1 rank x 4 micro-steps = 2 ranks x 2 =
 4 ranks x 1 (full_shard and hybrid 2x2) per step, for LoRA (reference = adapters off) and full fine-tuning
-(precomputed reference); and a checkpoint resumes DPO exactly (after an SFT warm-up, reference read back from the
-run dir). One spawn per world size."""
+(precomputed reference), and QLoRA at 1 and 2 ranks (reference = the NF4 base); and a checkpoint resumes DPO
+exactly, full fine-tuning (after an SFT warm-up, reference read back from the run dir) and LoRA (adapters off). One spawn per world
+size."""
 from __future__ import annotations
 
 import json
@@ -32,10 +33,10 @@ def _recipe(tmp: str, name: str, lora: bool, strategy: str, accum: int, *extra: 
         "dpo.sft_warmup_steps=0", "dpo.beta=0.1", *extra])
 
 
-def _dpo_steps(tmp: str, lora: bool, strategy: str, accum: int) -> None:
+def _dpo_steps(tmp: str, lora: bool, strategy: str, accum: int, qlora: bool = False) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    name = f"{'lora' if lora else 'full'}-{strategy}-w{world}"
-    run = setup(_recipe(tmp, name, lora, strategy, accum))
+    name = f"{'qlora' if qlora else 'lora' if lora else 'full'}-{strategy}-w{world}"
+    run = setup(_recipe(tmp, name, lora, strategy, accum, *(["lora.quantize_base=nf4"] if qlora else [])))
     records = [{k: r[k] for k in KEYS} for r in (train_step(run, s, None) for s in range(STEPS))]
     records.append(run.objective.evaluate(run.model, run.rt, global_size=run.batches.global_size))
     if rank == 0:
@@ -45,7 +46,8 @@ def _dpo_steps(tmp: str, lora: bool, strategy: str, accum: int) -> None:
 def _dpo_resume(tmp: str, lora: bool) -> None:
     """4 steps straight vs 2 steps, a checkpoint, a fresh trainer resuming it, 2 more: the same records."""
     name = f"resume-{'lora' if lora else 'full'}"
-    extra = ("train.max_steps=4", "dpo.sft_warmup_steps=1", "train.resume=auto")
+    # full: SFT warm-up, then the precomputed reference; LoRA: DPO from step 1, reference = adapters off
+    extra = ("train.max_steps=4", f"dpo.sft_warmup_steps={0 if lora else 1}", "train.resume=auto")
     run = setup(_recipe(tmp, name, lora, "full_shard", 1, *extra))
     straight = [train_step(run, s, None) for s in range(4)]
     run = setup(_recipe(tmp, name + "-b", lora, "full_shard", 1, *extra))
@@ -57,7 +59,8 @@ def _dpo_resume(tmp: str, lora: bool) -> None:
     for a, b in zip(straight, resumed, strict=True):
         for k in ("loss", "grad_norm", "reward_margin"):
             assert a.get(k) == b.get(k), (name, a["step"], k, a.get(k), b.get(k))
-    assert "reward_margin" in straight[-1] and "reward_margin" not in straight[0]  # step 1 was the SFT warm-up
+    assert "reward_margin" in straight[-1] and ("reward_margin" in straight[0]) == lora  # full: SFT warm-up first
+    assert run.objective.precompute != lora
 
 
 def _case(resume_test: bool = False, **kw) -> None:
@@ -66,16 +69,21 @@ def _case(resume_test: bool = False, **kw) -> None:
 
 def test_dpo_parity_across_world_sizes(tmp_path):
     tmp = str(tmp_path)
-    run_distributed(_dpo_steps, 1, grid(tmp=[tmp], lora=[True, False], strategy=["full_shard"], accum=[4]))
+    qlora = {"tmp": tmp, "lora": True, "qlora": True, "strategy": "full_shard"}  # reference: the NF4 base
+    run_distributed(_dpo_steps, 1, grid(tmp=[tmp], lora=[True, False], strategy=["full_shard"], accum=[4])
+                    + [{**qlora, "accum": 4}])
     run_distributed(_case, 2, grid(tmp=[tmp], lora=[True, False], strategy=["full_shard"], accum=[2])
-                    + [{"resume_test": True, "tmp": tmp, "lora": False}])
+                    + [{**qlora, "accum": 2}, {"resume_test": True, "tmp": tmp, "lora": False},
+                       {"resume_test": True, "tmp": tmp, "lora": True}])
     run_distributed(_dpo_steps, 4, grid(tmp=[tmp], lora=[True, False], strategy=["full_shard", "hybrid_shard"],
                                         accum=[1]))
-    for kind in ("lora", "full"):
+    for kind in ("lora", "full", "qlora"):
         ref = json.loads((tmp_path / f"{kind}-full_shard-w1.json").read_text())
         assert ref[0]["loss"] > 0 and ref[-1]["eval_loss"] > 0
         assert ref[STEPS - 1]["loss"] != ref[0]["loss"]  # it trains
-        for other in (f"{kind}-full_shard-w2", f"{kind}-full_shard-w4", f"{kind}-hybrid_shard-w4"):
+        others = [f"{kind}-full_shard-w2"] + ([] if kind == "qlora" else [f"{kind}-full_shard-w4",
+                                                                           f"{kind}-hybrid_shard-w4"])
+        for other in others:
             got = json.loads((tmp_path / f"{other}.json").read_text())
             for step, (a, b) in enumerate(zip(ref, got, strict=True)):
                 assert a.keys() == b.keys()

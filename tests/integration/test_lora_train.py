@@ -117,3 +117,29 @@ def test_export_never_overwrites_without_force(reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "adapter_model.safetensors").is_file() and (out / "notes.txt").read_text() == "mine"
     assert not (out / "model.safetensors").exists()  # no stale model file beside the adapter
+
+
+def test_generate_on_an_adapter_and_a_checkpoint(reference, tmp_path):
+    """`generate` on final/ (a PEFT adapter: the base is rebuilt from the run's seed) and on the step-6 checkpoint
+    (consolidated first) gives the greedy answers of PeftModel over the base, decoded here by hand."""
+    from shardtune.data.templates import render_prompt
+    from shardtune.model import build_tokenizer
+
+    prompts = ["reverse abcd=", "reverse hello="]
+    recipe = load_recipe(reference / "recipe.yaml")
+    tok = build_tokenizer(recipe.model)
+    model = PeftModel.from_pretrained(base_model(), str(reference / "final")).eval()
+    expected = []
+    for p in prompts:
+        ids = tok((tok.bos_token or "") + render_prompt(recipe.data.template, p), return_tensors="pt",
+                  add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id,
+                                 eos_token_id=tok.eos_token_id)
+        expected.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert any(expected), expected  # something to compare (6 steps do not teach it to stop at once)
+    for target in (reference / "final", reference / "checkpoints" / "step_6"):
+        proc = cli("generate", str(target), *(a for p in prompts for a in ("--prompt", p)), "--max-new-tokens", "6",
+                   cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.splitlines() == expected, (target, proc.stdout, expected)

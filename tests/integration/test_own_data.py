@@ -1,6 +1,7 @@
 """Your own data, first try, through the installed executable: Alpaca with and without `input`, ShareGPT, OpenAI
 messages with a system turn, txt and parquet, in one weighted mix: validate, prepare, train 10 steps; the cache
-holds each format's template text with the prompt masked. And txt under the demo recipe (its demo check on)."""
+holds each format's template text with the prompt masked. And txt under the demo recipe (its demo check on), for
+train.epochs instead of max_steps."""
 from __future__ import annotations
 
 import json
@@ -113,8 +114,15 @@ def test_every_format_validates_prepares_and_trains_in_a_mix(tmp_path):
 
 def test_text_file_with_the_demo_recipe_trains_and_skips_the_demo(tmp_path):
     (tmp_path / "notes.txt").write_text("".join(f"note number {i}\n" for i in range(200)))
-    proc = cli("train", "tiny-cpu", "data.path=notes.txt", "data.format=text", "train.max_steps=2",
-               "train.warmup_steps=0", f"train.output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    proc = cli("train", "tiny-cpu", "data.path=notes.txt", "data.format=text", "train.max_steps=null",
+               "train.epochs=1.5", "train.warmup_steps=0", f"train.output_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "train.demo_eval: skipped (data.format=text has no prompt/response pairs)" in proc.stdout
+    # train.epochs: the steps for 1.5 passes over the packed training rows, the epoch on the progress lines
+    records = metrics(tmp_path / "run")
+    steps = records[-1]["step"]
+    assert f"train.epochs=1.5: {steps} steps of 16 rows" in proc.stdout + proc.stderr
+    epoch = records[-1]["epoch"]
+    assert epoch >= 1.5 > epoch * (steps - 1) / steps  # the fewest steps that cover 1.5 passes
+    assert f"step {steps}/{steps}  epoch {records[-1]['epoch']:.2f}" in proc.stdout, proc.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["accuracy_after"] is None

@@ -38,3 +38,21 @@ def test_slurm_script_for_a_dpo_recipe(tmp_path, capsys):
     assert code == 0, err
     text = out.read_text()
     assert "plan: fits" in text and "llama-3.1-8b-dpo-lora-1x24gb" in text
+
+
+def test_a_resumed_reference_table_of_other_pairs_is_refused(tmp_path):
+    """train.resume=force on other data: the run dir's precomputed reference no longer matches the pairs; one line
+    instead of an IndexError (or a silently wrong reference)."""
+    import numpy as np
+
+    from shardtune.errors import UserError
+    from shardtune.objective import REFERENCE_FILE, DpoObjective
+
+    np.savez(tmp_path / REFERENCE_FILE, train=np.zeros((10, 2)), eval=np.zeros((2, 2)))
+    obj = DpoObjective.__new__(DpoObjective)  # only what the resume path reads
+    obj.warmup, obj.train_pairs, obj.eval_pairs, obj.reference = 0, [None] * 10, [None] * 2, {}
+    obj._load_or_compute_reference(None, None, tmp_path, step=3)
+    assert obj.reference["train"].shape == (10, 2)
+    obj.train_pairs = [None] * 12
+    with pytest.raises(UserError, match="reference log-probs of other pairs"):
+        obj._load_or_compute_reference(None, None, tmp_path, step=3)
