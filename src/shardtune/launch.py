@@ -20,7 +20,7 @@ from shardtune.checkpoint.paths import explicit_resume_dir
 from shardtune.config.load import to_recipe, to_yaml
 from shardtune.config.schema import Recipe, check_world
 from shardtune.errors import UserError
-from shardtune.worker_deaths import describe, first_failure, rank_log, read_report
+from shardtune.worker_deaths import describe, first_failure, last_traceback, rank_log, read_report
 
 USER_ERROR_FILE = ".user_error"
 EXIT_CODE_FILE = ".exit_code"  # a worker's documented exit code (preempted 75, diverged 4) survives torchrun
@@ -181,7 +181,6 @@ def _report_death(failures: list[dict], run_dir: Path, world_size: int) -> int:
     """One line for the first worker that died; an internal error also shows its traceback (from its log)."""
     code, line = describe(failures, run_dir, world_size)
     if code == 1:
-        text = rank_log(run_dir, first_failure(failures)["rank"]).read_text(errors="replace")
-        sys.stderr.write(text[text.rindex("Traceback (most recent call last)"):])
+        sys.stderr.write(last_traceback(rank_log(run_dir, first_failure(failures, run_dir)["rank"])))
     print(f"shardtune: {line}", file=sys.stderr)
     return code

@@ -53,16 +53,27 @@ def _signal_name(exitcode: int) -> str:
         return f"signal {-exitcode}"
 
 
-def first_failure(failures: list[dict]) -> dict:
-    """The root cause: a rank killed by a signal before any that merely exited (its peers then fail on a broken
-    connection), then the earliest."""
-    return min(failures, key=lambda f: (f["exitcode"] >= 0, f["timestamp"], f["rank"]))
+def first_failure(failures: list[dict], run_dir: Path) -> dict:
+    """The root cause: a rank killed by a signal, then one whose log does not end on a lost peer (those fail on
+    the broken connection of a rank that died), then the earliest (torch's timestamps are whole seconds: a rank
+    that lost its peer in the same second as the real failure must not be blamed)."""
+    return min(failures, key=lambda f: (f["exitcode"] >= 0, _lost_a_peer(rank_log(run_dir, f["rank"])),
+                                        f["timestamp"], f["rank"]))
+
+
+def last_traceback(log: Path) -> str:
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return text[text.rindex("Traceback (most recent call last)"):] if "Traceback (most recent call last)" in text else ""
+
+
+def _lost_a_peer(log: Path) -> bool:
+    return any(p in last_traceback(log) for p in _PEER_LOST)
 
 
 def describe(failures: list[dict], run_dir: Path, world_size: int) -> tuple[int, str]:
     """(exit code, the one line) for the first failure. An exit 1 with a traceback in the rank's log is an
     internal error (exit 1, "please report it"); everything else is EXIT_WORKER_DIED."""
-    f = first_failure(failures)
+    f = first_failure(failures, run_dir)
     rank, host, code = f["rank"], f["host"], f["exitcode"]
     log = rank_log(run_dir, rank)
     others = ("; the other ranks were stopped" if world_size > 1 else "")
@@ -71,11 +82,11 @@ def describe(failures: list[dict], run_dir: Path, world_size: int) -> tuple[int,
         cause = _CAUSES.get(name, "killed from outside or by the system")
         where = f" (its log: {log})" if name not in ("SIGKILL", "SIGTERM", "SIGINT") and log.is_file() else ""
         return EXIT_WORKER_DIED, f"rank {rank} on {host} was killed by {name}: {cause}{where}{others}"
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    if code == 1 and "Traceback (most recent call last)" in text:
-        if any(p in text[text.rindex("Traceback"):] for p in _PEER_LOST):  # multi-node: the other node says why
+    if code == 1 and last_traceback(log):
+        if _lost_a_peer(log):  # every failed rank here lost a peer: the one that died is on another node
             return EXIT_WORKER_DIED, (f"rank {rank} on {host} lost its connection to another rank, which probably "
-                                      f"died first (its node's output says why); details in {log}{others}")
+                                      f"died first (on another node: that node's output says why); details in "
+                                      f"{log}{others}")
         return 1, (f"rank {rank} on {host} failed with an internal error: traceback in {log} (please report it)"
                    f"{others}")
     return EXIT_WORKER_DIED, f"rank {rank} on {host} exited with code {code} without a message: see {log}{others}"

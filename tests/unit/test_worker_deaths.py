@@ -48,3 +48,12 @@ def test_a_traceback_is_an_internal_error_unless_a_peer_was_lost(tmp_path):
     write_log(tmp_path, 0, PEER_LOST)  # on the other node of a multi-node job: a consequence
     code, line = describe([failure(0, 1)], tmp_path, 2)
     assert code == EXIT_WORKER_DIED and "lost its connection to another rank" in line
+
+
+def test_the_real_failure_is_named_when_a_peer_lost_it_in_the_same_second(tmp_path):
+    """Rank 1 hit a bug; rank 0 then failed on the broken connection within the same second (torch's timestamps
+    are whole seconds): rank 1's traceback is the cause, not rank 0's lost peer."""
+    write_log(tmp_path, 0, PEER_LOST)
+    write_log(tmp_path, 1, "Traceback (most recent call last):\nKeyError: 'x'\n")
+    code, line = describe([failure(0, 1), failure(1, 1)], tmp_path, 2)
+    assert code == 1 and line.startswith("rank 1 on node7 failed with an internal error"), line
