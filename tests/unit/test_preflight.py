@@ -1,6 +1,7 @@
 """`shardtune train`'s pre-flight (preflight.py): the plan on the detected hardware before any worker starts."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -116,7 +117,18 @@ def test_a_recipe_claiming_more_host_ram_than_present_is_judged_on_this_machine(
 
 def test_plan_keeps_the_recipes_hardware_block(capsys):
     code, out, _ = run_cli(["plan", "llama-3.1-8b-full-8x80gb", "--json"], capsys)
-    assert code == 0 and '"host"' in out and "present" not in out
+    assert code == 0 and "present" not in out
+    assert json.loads(out)["host"]["ram_bytes"] == 1024 * 2**30  # the target node's 1 TiB, not this machine's
+
+
+def test_another_card_than_the_recipes_is_said(monkeypatch):
+    monkeypatch.setattr(preflight, "detect_gpu", lambda: ("NVIDIA GeForce RTX 4090", 24564 * 2**20))
+    for recipe_gpu, note in (("h100-80gb", "the recipe's hardware.gpu=h100-80gb, judged on the NVIDIA GeForce RTX "
+                                           "4090 present"), ("rtx4090-24gb", "")):
+        recipe = to_recipe(load_recipe_config("llama-3.1-8b-lora-1x24gb", ["launch.device=cuda",
+                                                                           f"hardware.gpu={recipe_gpu}"]))
+        said = preflight.detect(recipe).note
+        assert note in said and (note != "" or "hardware.gpu" not in said), said
 
 
 @pytest.mark.parametrize(("claimed", "trusted", "expect", "note"), [
