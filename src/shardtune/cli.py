@@ -20,7 +20,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 RECIPE = typer.Argument(..., help="A recipe YAML path or the name of a bundled recipe (see `shardtune recipes`).")
 OVERRIDES = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. train.lr=1e-4 engine.strategy=no_shard "
-                           "(default: none).")
+                           "(default: none; `shardtune keys` lists every key).")
 
 
 def _print_version(value: bool) -> None:

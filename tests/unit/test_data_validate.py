@@ -38,6 +38,9 @@ def _files(tmp_path: Path) -> dict[str, Path]:
             out[name].write_bytes("caf\xe9\n".encode("latin-1"))
         else:
             out[name].write_text(text)
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text(_jsonl(ALPACA))
+    (tmp_path / "mixed" / "b.txt").write_text("a line\n")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "tokenizer.json").write_text("{}")
     return out
@@ -51,6 +54,7 @@ CASES = [
     (["data.path=not_object.jsonl"], ["line 3", "JSON object"]),
     (["data.path=null_output.jsonl"], ["line 4, column 'output' (data.response_field)", "null"]),
     (["data.path=latin1.txt", "data.format=text"], ["latin1.txt' line 1", "UTF-8"]),
+    (["data.path=mixed"], ["mixes file types (.jsonl, .txt)", "as a mix"]),
     (["data.path=alpaca.jsonl", "data.format=text"], ["'text' (data.text_field)", "data.prompt_field",
                                                        "columns: input, instruction, output"]),
     (["data.path=alpaca.jsonl", "data.format=chat"], ["data.messages_field"]),
