@@ -91,9 +91,13 @@ def load(target: Path, device: str) -> Loaded:
     with model_folder(target) as folder:
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         if (folder / "adapter_config.json").is_file():
+            import warnings
+
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(_base(folder, recipe), str(folder)).merge_and_unload()
+            with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates (as in lora.py)
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                model = PeftModel.from_pretrained(_base(folder, recipe), str(folder)).merge_and_unload()
         else:
             model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     if recipe is not None:
