@@ -6,6 +6,7 @@ and the packages are installed with apt-get when missing.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slurm)
 
 
-@pytest.fixture(scope="session")
+@contextmanager
+def _exclusive(lock: Path):
+    """One cluster per machine at a time: the daemons use a fixed base and fixed ports, and a start stops the
+    daemons a killed session left behind. A second suite running at once waits here for the first one's SLURM
+    tests (the kernel drops the lock of a killed session, so what the next start finds is truly stale)."""
+    import fcntl
+
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(scope="module")  # module: the lock is released once the SLURM tests are done, not at session end
 def slurm_cluster(tmp_path_factory):
     try:
         find_or_install(install=REQUIRED)
@@ -33,5 +46,5 @@ def slurm_cluster(tmp_path_factory):
     # A fixed base (not tmp_path) so that a session killed before teardown has its daemons stopped by the next.
     base = Path(os.environ.get("SHARDTUNE_SLURM_DIR", f"/tmp/shardtune-slurm-{os.getuid()}"))
     # Each node runs one task with one worker; 2 CPUs per node leave room for torchrun's agent and the launcher.
-    with LocalSlurm(base, nodes=NODES, cpus=2) as cluster:
+    with _exclusive(base.parent / f"{base.name}.lock"), LocalSlurm(base, nodes=NODES, cpus=2) as cluster:
         yield cluster
