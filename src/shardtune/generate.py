@@ -185,8 +185,13 @@ def turn_end(loaded: Loaded) -> str | None:
     if loaded.recipe is None or _single(loaded.recipe, "format") != "chat" or not loaded.tok.chat_template:
         return None
     sentinel = "\x00reply\x00"
-    text = loaded.tok.apply_chat_template([{"role": "user", "content": "hi"},
-                                           {"role": "assistant", "content": sentinel}], tokenize=False)
+    try:
+        text = loaded.tok.apply_chat_template([{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": sentinel}], tokenize=False)
+    except Exception:  # noqa: BLE001 (a template with rules of its own, e.g. no bare user turn): EOS alone ends it
+        return None
+    if sentinel not in text:
+        return None
     after = text.split(sentinel, 1)[1]
     return after.strip() or (after[:1] if after else None)
 
