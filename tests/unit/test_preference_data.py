@@ -102,14 +102,17 @@ def test_rows_without_rejected_are_one_line_exit_2(tmp_path, capsys):
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(err) == 1 and "rejected" in err[0], proc.stderr
     # in-process (same main()): one row with rejected null
-    code, _, err = run_cli(_write(tmp_path, [good, {"prompt": "a", "chosen": "b", "rejected": None}]), capsys)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2 and len(lines) == 1 and "row 1 has no 'rejected'" in lines[0], err
+    for missing in ("rejected", "chosen"):
+        code, _, err = run_cli(_write(tmp_path, [good, {**good, missing: None}]), capsys)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and f"row 1 has no '{missing}'" in lines[0], err
 
 
 def test_identical_pairs_are_dropped_counted_and_warned(tmp_path, capsys):
-    rows = [{"prompt": "x", "chosen": "y", "rejected": "z"}, {"prompt": "x", "chosen": "same", "rejected": "same"}]
-    code, out, err = run_cli(_write(tmp_path, rows), capsys)
+    rows = [{"prompt": "x", "chosen": "y", "rejected": "z"}, {"prompt": "x", "chosen": "same", "rejected": "same"},
+            {"prompt": "x", "chosen": "a" * 40 + "1", "rejected": "a" * 40 + "2"}]  # differ past data.seq_len only
+    code, out, err = run_cli([*_write(tmp_path, rows), "data.seq_len=32"], capsys)
     assert code == 0, err
-    assert "warning: data: 1 preference rows have chosen identical to rejected" in err  # the CLI's one-line voice
-    assert "preference pairs: 1 train, 0 eval; 1 dropped" in out
+    assert "warning: data: 2 preference rows have chosen identical to rejected" in err  # the CLI's one-line voice
+    assert "once truncated to data.seq_len=32" in err
+    assert "preference pairs: 1 train, 0 eval; 2 dropped" in out

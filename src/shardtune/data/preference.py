@@ -92,6 +92,9 @@ def _encode(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase) -> _Encoded
             out.identical += 1
             continue
         p, c, r, cut = truncate_pair(*encode_pair(row, cfg, tok), cfg.seq_len)
+        if c == r:  # different texts, the same tokens once cut to data.seq_len: nothing to prefer
+            out.identical += 1
+            continue
         for resp in (c, r):
             out.docs.append((p + resp, [IGNORE] * len(p) + resp))
         out.kept.append(i)
@@ -112,8 +115,8 @@ def build_pair_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tm
     if progress is not None:
         progress(len(raw), len(raw))
     if enc.identical:
-        warnings.warn(f"data: {enc.identical} preference rows have chosen identical to rejected; they were dropped",
-                      stacklevel=2)
+        warnings.warn(f"data: {enc.identical} preference rows have chosen identical to rejected (as written, or "
+                      f"once truncated to data.seq_len={cfg.seq_len}); they were dropped", stacklevel=2)
     n = len(enc.kept)
     if n == 0:
         raise UserError(f"data.path: no usable preference pairs in '{cfg.path}' (every row's chosen equals its "
