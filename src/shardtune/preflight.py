@@ -160,7 +160,8 @@ def preflight(cfg: DictConfig, recipe: Recipe, nproc: int, *, refuse: bool, fit:
     carries the chosen overrides. `trust_host_ram`: hardware.host_ram_gb came from the command line."""
     found = detect(recipe, trust_host_ram=trust_host_ram)
     if not fit and (line := fits_by_bound(recipe, nproc, found)):
-        print(line, flush=True)
+        if recipe.launch.is_first_node():  # every node's launcher checks; the job log gets the line once
+            print(line, flush=True)
         return cfg, 0
     try:
         plan = plan_on_detected(cfg, recipe, nproc, found)
@@ -188,6 +189,8 @@ def preflight(cfg: DictConfig, recipe: Recipe, nproc: int, *, refuse: bool, fit:
         plan = best[0].plan
         print(f"train --fit: predicted {best[0].time['step_s']:.3g} s/step, {best[0].time['tokens_per_s']:,.0f} "
               "tokens/s", flush=True)
+    if plan.fits and not recipe.launch.is_first_node():
+        return cfg, 0  # the first node's launcher prints the job's one pre-flight line
     print(f"pre-flight ({where}): {summary_line(plan)}{_note(found)}", flush=True)
     if plan.fits:
         return cfg, 0

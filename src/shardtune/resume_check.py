@@ -117,7 +117,8 @@ def check_resume(cfg: DictConfig, recipe: Recipe, world_size: int) -> DictConfig
     if other and recipe.train.resume != "force":
         raise UserError(f"{where} was trained on other data or another objective: {'; '.join(other)}: set "
                         f"train.resume=force to continue it with these, or use a new train.output_dir")
-    _keep_recipe_history(cfg, ckpt, other)
+    if recipe.launch.is_first_node():  # one writer of the shared run directory's history (multi-node jobs)
+        _keep_recipe_history(cfg, ckpt, other)
     return cfg
 
 
@@ -137,8 +138,9 @@ def _keep_global_batch(cfg: DictConfig, recipe: Recipe, old: dict, new: dict, wo
     per_step = t.micro_batch_size * world_size
     if target % per_step == 0:
         accum = target // per_step
-        print(f"resume: world size {old['world_size']} -> {world_size}: train.grad_accum {t.grad_accum} -> {accum} "
-              f"keeps the global batch of {target}", file=sys.stderr)
+        if recipe.launch.is_first_node():  # every node's launcher scales it alike; the job log says it once
+            print(f"resume: world size {old['world_size']} -> {world_size}: train.grad_accum {t.grad_accum} -> "
+                  f"{accum} keeps the global batch of {target}", file=sys.stderr)
         cfg = cfg.copy()
         OmegaConf.update(cfg, "train.grad_accum", accum)
         return cfg

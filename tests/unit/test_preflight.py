@@ -66,6 +66,23 @@ def test_fitting_recipe_prints_one_summary_line(tmp_path, capsys, torchrun):
     assert "fits: peak" in out and "2 x CPU" in out
 
 
+@pytest.mark.parametrize("args", [[], ["launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:29999", "model.config="
+                                          "configs/models/llama-3.1-8b.json", "hardware.host_ram_gb=400"]],
+                         ids=["bound", "plan"])  # 8B: over half of 400 GiB by the fp32 bound, under it by the plan
+def test_only_the_first_nodes_launcher_prints_the_fitting_line(tmp_path, capsys, torchrun, monkeypatch, args):
+    """Inside an srun step every node's launcher runs the check; the job log gets the line once (SLURM_NODEID 0).
+    Both ways a fitting recipe is judged: the config's upper bound, and the plan."""
+    lines = {}
+    for node in ("1", "0"):
+        monkeypatch.setenv("SLURM_NODEID", node)
+        code, out, _ = run_cli(["train", "tiny-cpu", f"train.output_dir={tmp_path / 'run'}", "launch.device=cpu",
+                                *args], capsys)
+        assert code == 0, out
+        lines[node] = [ln for ln in out.splitlines() if ln.startswith("pre-flight")]
+    assert lines["1"] == [] and len(lines["0"]) == 1 and "fits" in lines["0"][0]
+    assert ("a bound from the model config" in lines["0"][0]) == (args == [])
+
+
 def test_workers_do_not_rerun_the_check(monkeypatch, tmp_path):
     import shardtune.worker
 

@@ -97,3 +97,20 @@ def test_dpo_settings_are_part_of_the_objective():
     assert _changes(DATA, fp(), fp("dpo.beta=0.5", "dpo.loss=ipo")) == ["dpo.beta 4.0 -> 0.5",
                                                                         "dpo.loss 'sigmoid' -> 'ipo'"]
     assert _changes(DATA, fp(), fp("train.lr=1e-3")) == []  # lr is not the objective: allowed with a notice
+
+
+def test_only_the_first_node_keeps_the_recipe_history(run_dir, monkeypatch, capsys):
+    """Every node's launcher checks the resume; one of them (SLURM's node 0) writes recipes/step_N.yaml into the
+    shared run directory and prints the notice."""
+    from omegaconf import OmegaConf
+
+    from shardtune.resume_check import check_resume
+
+    base = [*BASE, f"train.output_dir={run_dir}"]
+    OmegaConf.save(load_recipe_config("tiny-cpu", base), run_dir / "recipe.yaml")
+    cfg = load_recipe_config("tiny-cpu", [*base, "train.lr=1e-3"])
+    for node, kept in (("1", False), ("0", True)):
+        monkeypatch.setenv("SLURM_NODEID", node)
+        check_resume(cfg, to_recipe(cfg), 2)
+        assert (run_dir / "recipes" / "step_6.yaml").is_file() == kept
+        assert ("train.lr" in capsys.readouterr().err) == kept

@@ -270,6 +270,15 @@ class LaunchConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def is_first_node(self) -> bool:
+        """This launcher runs on the job's first node (launch.node_rank, else SLURM's node index inside an srun
+        step): where once-per-job lines are printed and the run directory's recipe history is written."""
+        if self.node_rank is not None:
+            return self.node_rank == 0
+        import os
+
+        return os.environ.get("SLURM_NODEID", "0") == "0"
+
 
 @dataclass(kw_only=True)
 class HardwareConfig:
