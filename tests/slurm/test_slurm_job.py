@@ -167,6 +167,7 @@ def test_a_worker_killed_in_a_job_is_one_line(slurm_cluster, tmp_path_factory):
             submit.kill()
     log = job_log(tmp, job_id)
     assert "was killed by SIGKILL: probably the out-of-memory killer" in log, log[-4000:]
+    assert log.count("shardtune: rank") == 1 and log.count("pre-flight (") == 1, log[-4000:]  # once per job
     assert "Traceback" not in log and "ChildFailedError" not in log and "frame #" not in log, log[-4000:]
     assert "task 0: Exited with exit code 5" in log or "task 1: Exited with exit code 5" in log, log[-4000:]
     assert slurm_cluster.job_state(job_id) == "FAILED"  # the other node's task: stopped by srun (SIGTERM: 143)
