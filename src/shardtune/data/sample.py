@@ -34,11 +34,10 @@ def data_files(path: Path) -> list[Path]:
         files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIX_TO_BUILDER and p.is_file())
         if not files:
             raise UserError(f"data.path: no .jsonl/.json/.parquet/.txt/.csv files in '{path}'")
-        kinds = sorted({f.suffix for f in files if SUFFIX_TO_BUILDER[f.suffix] != SUFFIX_TO_BUILDER[files[0].suffix]}
-                       | {files[0].suffix})
-        if len(kinds) > 1:  # one folder is read by one reader
-            raise UserError(f"data.path: '{path}' mixes file types ({', '.join(kinds)}): keep one type per folder, "
-                            "or list the files in data.path as a mix (a list of {path, format, weight})")
+        if len({SUFFIX_TO_BUILDER[f.suffix] for f in files}) > 1:  # one folder is read by one reader
+            kinds = ", ".join(sorted({f.suffix for f in files}))
+            raise UserError(f"data.path: '{path}' mixes file types ({kinds}): keep one type per folder, or list the "
+                            "files in data.path as a mix (a list of {path, format, weight})")
         return files
     if path.suffix not in SUFFIX_TO_BUILDER:
         raise UserError(f"data.path: '{path.name}' has an unknown suffix: use .jsonl, .json, .parquet, .txt or .csv")
