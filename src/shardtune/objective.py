@@ -128,11 +128,12 @@ class DpoObjective(SftObjective):
                                 "needed to resume it; start the run again from step 0 (train.resume=none)")
             with np.load(path) as f:
                 self.reference = {k: f[k] for k in f.files}
-            sizes = {"train": len(self.train_pairs), "eval": len(self.eval_pairs)}
-            if {k: len(v) for k, v in self.reference.items()} != sizes:  # other data under train.resume=force
-                raise UserError(f"train.resume: {path} holds reference log-probs of other pairs "
-                                f"({ {k: len(v) for k, v in self.reference.items()} } vs {sizes}): a precomputed "
-                                "reference cannot continue on other data; start the run again (new train.output_dir)")
+            have = {k: len(v) for k, v in self.reference.items()}
+            want = {"train": len(self.train_pairs), "eval": len(self.eval_pairs)}
+            if have != want:  # other data under train.resume=force
+                raise UserError(f"train.resume: {path} holds reference log-probs of other pairs ({have} vs {want}): "
+                                "a precomputed reference cannot continue on other data; start the run again (new "
+                                "train.output_dir)")
             return
         for split, rows in (("train", self.train_pairs), ("eval", self.eval_pairs)):
             self.reference[split] = _precompute(model, rows, rt, self.recipe.train.micro_batch_size)
