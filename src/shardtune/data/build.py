@@ -65,8 +65,8 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     dtype = token_dtype(tok)
     encode = _encode_rows if in_memory else _encode_dataset
     files, docs = encode(raw, cfg, tok, dtype, tmp, progress)
-    length = _int_column(docs, "length")  # before truncation
-    targets = _int_column(docs, "num_targets")
+    length = int_column(docs, "length")  # before truncation
+    targets = int_column(docs, "num_targets")
     kept = np.minimum(length, cfg.seq_len)
 
     stats: dict[str, Any] = {}
@@ -86,8 +86,6 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
         warn_truncated(stats, cfg.seq_len)
         raise UserError(f"data: no target tokens left in '{cfg.path}' (every response was cut off at "
                         f"data.seq_len={cfg.seq_len}?): raise data.seq_len or shorten the prompts")
-    edges = [0] + [int(f * cfg.seq_len) for f in HIST_EDGES] + [max(int(length.max()), cfg.seq_len) + 1]
-    hist, _ = np.histogram(length[length > 0], bins=edges)
     keep = eval_ids[:EVAL_RAW_KEEP].tolist()
     with open(tmp / "eval_raw.jsonl", "w") as f:
         for row in ([raw[i] for i in keep] if in_memory else raw.select(keep).to_list()):
@@ -96,7 +94,7 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     shutil.rmtree(tmp / "raw", ignore_errors=True)  # datasets' own Arrow copy of the input files
     return {"files": files, "token_dtype": dtype, "seq_len": cfg.seq_len, "packing": cfg.packing,
             "pad_id": tok.pad_token_id if tok.pad_token_id is not None else 0, "source_rows": n,
-            "num_eval_raw": int(num_eval), "stats": stats, "histogram": {"edges": edges, "counts": hist.tolist()},
+            "num_eval_raw": int(num_eval), "stats": stats, "histogram": length_histogram(length, cfg.seq_len),
             "data": {k: getattr(cfg, k) for k in ENTRY_KEYS}}  # the resolved fields (demo, report)
 
 
@@ -253,6 +251,13 @@ def _arrow(x: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(_ARROW_TYPES[x.dtype], len(x), [None, pa.py_buffer(data)])
 
 
-def _int_column(table: pa.Table, name: str) -> np.ndarray:
+def length_histogram(length: np.ndarray, seq_len: int) -> dict[str, list[int]]:
+    """Document lengths (before truncation; 0 = nothing to learn, left out) in HIST_EDGES bins of seq_len."""
+    edges = [0] + [int(f * seq_len) for f in HIST_EDGES] + [max(int(length.max()), seq_len) + 1]
+    counts, _ = np.histogram(length[length > 0], bins=edges)
+    return {"edges": edges, "counts": counts.tolist()}
+
+
+def int_column(table: pa.Table, name: str) -> np.ndarray:
     chunks = [buffer_view(c, np.int32) for c in table.column(name).chunks]
     return np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, dtype=np.int64)

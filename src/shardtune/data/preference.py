@@ -27,7 +27,15 @@ from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
 from shardtune.data.batches import GlobalBatches, MicroBatch
-from shardtune.data.build import BATCH_ROWS, EVAL_RAW_KEEP, HIST_EDGES, docs_table, token_dtype, write_docs
+from shardtune.data.build import (
+    BATCH_ROWS,
+    EVAL_RAW_KEEP,
+    docs_table,
+    int_column,
+    length_histogram,
+    token_dtype,
+    write_docs,
+)
 from shardtune.data.formats import IGNORE, _as_ids
 from shardtune.data.sources import ENTRY_KEYS
 from shardtune.errors import UserError
@@ -130,8 +138,8 @@ def build_pair_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tm
     order = list(range(n))
     random.Random(seed).shuffle(order)
     num_eval = int(n * cfg.eval_fraction)
-    lengths = np.array([len(ids) for ids, _ in enc.docs], dtype=np.int64)
-    targets = np.array([sum(t != IGNORE for t in lab[1:]) for _, lab in enc.docs], dtype=np.int64)
+    lengths = int_column(docs, "length")  # the documents are cut to seq_len already
+    targets = int_column(docs, "num_targets")
     stats: dict[str, Any] = {}
     for split, pairs in (("train", order[num_eval:]), ("eval", order[:num_eval])):
         pairs_arr = np.array(pairs, dtype=np.int64)
@@ -152,14 +160,8 @@ def build_pair_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tm
     return {"files": files, "token_dtype": dtype, "seq_len": cfg.seq_len, "packing": False,
             "pad_id": tok.pad_token_id if tok.pad_token_id is not None else 0, "source_rows": len(raw),
             "num_eval_raw": num_eval, "identical_pairs": enc.identical, "stats": stats,
-            "histogram": _histogram(lengths, cfg.seq_len),
+            "histogram": length_histogram(lengths, cfg.seq_len),
             "data": {k: getattr(cfg, k) for k in ENTRY_KEYS}}  # the fields read (prepare's report)
-
-
-def _histogram(lengths: np.ndarray, seq_len: int) -> dict[str, list[int]]:
-    edges = [0] + [int(f * seq_len) for f in HIST_EDGES] + [max(int(lengths.max()), seq_len) + 1]
-    counts, _ = np.histogram(lengths, bins=edges)
-    return {"edges": edges, "counts": counts.tolist()}
 
 
 @dataclass
