@@ -77,7 +77,7 @@ def model_folder(target: Path) -> Iterator[Path]:
             export_checkpoint(target, Path(tmp))
             yield Path(tmp)
         return
-    check_target(target)
+    check_target(target)  # a run directory's checkpoints/ may hold no checkpoint yet
     yield target
 
 

@@ -152,7 +152,8 @@ class CpuMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         peak_before = self._peak
         out = func(*args, **(kwargs or {}))
-        self._op = str(func)
+        if self.record_peak:  # the op's name labels the storages it creates: only --peak-list reads them
+            self._op = str(func)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._update_tensor(t)

@@ -111,7 +111,7 @@ def check_resume(cfg: DictConfig, recipe: Recipe, world_size: int) -> DictConfig
     if bad:
         raise UserError(f"{where} is of another model: {'; '.join(bad)}: it cannot continue in this recipe: use a "
                         f"new train.output_dir (or restore those keys)")
-    cfg = _keep_global_batch(cfg, recipe, old, new, world_size, where)
+    cfg = _keep_global_batch(cfg, recipe, old, world_size, where)
     new = fingerprint(_to_recipe(cfg), world_size)
     other = _changes(DATA, old, new)
     if other and recipe.train.resume != "force":
@@ -128,7 +128,7 @@ def _to_recipe(cfg: DictConfig) -> Recipe:
     return to_recipe(cfg)
 
 
-def _keep_global_batch(cfg: DictConfig, recipe: Recipe, old: dict, new: dict, world_size: int,
+def _keep_global_batch(cfg: DictConfig, recipe: Recipe, old: dict, world_size: int,
                        where: str) -> DictConfig:
     t = recipe.train
     same_split = (t.micro_batch_size, t.grad_accum) == (old["micro_batch_size"], old["grad_accum"])

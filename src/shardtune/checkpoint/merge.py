@@ -39,7 +39,6 @@ def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
     adapters = adapter_tensors(ckpt)  # {our name: tensor}
     deltas = _deltas(adapters)
     recipe = _run_recipe(ckpt)
-    out.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         written = write_safetensors(_merged(_base_tensors(recipe, stack), deltas, scale), out,
                                     max_shard_bytes=max_shard_bytes, progress=progress)

@@ -16,8 +16,6 @@ from shardtune.errors import UserError
 # data.* key -> the other column names tried, in order, when the key is at its default and its column is absent
 ALIASES = {"prompt_field": ("instruction", "question", "query"), "response_field": ("output", "answer", "completion"),
            "messages_field": ("conversations",), "text_field": ("content",)}
-FIELD_KEYS = ("text_field", "prompt_field", "input_field", "response_field", "messages_field", "chosen_field",
-              "rejected_field")
 _DEFAULTS = {f.name: f.default for f in dataclass_fields(DataConfig)}
 
 
