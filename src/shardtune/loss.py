@@ -74,6 +74,10 @@ def _fused_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.T
 
     def project(head: nn.Module, _args: Any) -> None:
         assert len(hidden) == 1, "the decoder ran once before the head"
+        table = getattr(head, "_shardtune_vocab", None)  # engine.vocab_parallel: the head's rows stay sharded
+        if table is not None:
+            loss.append(table.cross_entropy(hidden[0].flatten(0, 1), targets, chunk_tokens))
+            return
         loss.append(linear_cross_entropy(hidden[0].flatten(0, 1), head.weight, targets, chunk_tokens=chunk_tokens))
 
     handles = [model.get_decoder().register_forward_hook(grab),

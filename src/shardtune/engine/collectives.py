@@ -54,6 +54,18 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
     return _issued("all_gather", out, label, dist.all_gather_single(out, shard, group=group, async_op=async_op))
 
 
+def all_to_all_into(out: torch.Tensor, send: torch.Tensor, group: ProcessGroup, counter: CommCounter,
+                    *, label: str = "") -> None:
+    """out (1D) <- chunk r of every rank's `send` (1D, W equal chunks), in rank order. Blocking."""
+    world = dist.get_world_size(group)
+    assert out.numel() == send.numel() and out.numel() % world == 0 and out.dtype == send.dtype
+    if world == 1:
+        out.copy_(send)
+        return
+    counter.add("all_to_all", out.dtype, _ring_bytes(out.numel(), out.element_size(), world))
+    _issued("all_to_all", out, label, dist.all_to_all_single(out, send, group=group))
+
+
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup, counter: CommCounter,
                         *, full_is_scratch: bool = False, async_op: bool = False, ring: bool = True,
                         label: str = "") -> Any:

@@ -41,8 +41,11 @@ class ParamSlot:
 class FlatParam:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], *,
                  requires_grad: bool, num_decay: int, shard_rank: int, shard_size: int,
-                 compute_dtype: torch.dtype, device: torch.device, offload: bool = False) -> None:
+                 compute_dtype: torch.dtype, device: torch.device, offload: bool = False,
+                 pad_multiple: int | None = None) -> None:
         """`params` in buffer order; the first `num_decay` of them get weight decay (trainable buffers only).
+        `pad_multiple`: pad T to a multiple of this (itself a multiple of W) instead of W: a vocabulary table
+        padded to W·H gives each rank whole rows (engine/vocab.py).
         `offload`: the shard (and so its gradient and AdamW state) lives on the host, pinned when `device` is CUDA;
         only the gathered buffer lives on `device`."""
         dtypes = {p.dtype for _, p, _ in params}
@@ -56,7 +59,8 @@ class FlatParam:
             self.slots.append(ParamSlot(name, p.shape, offset, p.numel(), list(locs)))
             offset += p.numel()
         self.numel = offset  # unpadded T
-        self.padded_numel = padded(offset, shard_size)  # P, a multiple of W
+        assert pad_multiple is None or pad_multiple % shard_size == 0
+        self.padded_numel = padded(offset, pad_multiple or shard_size)  # P, a multiple of W
         self.shard_numel = self.padded_numel // shard_size  # P / W
         self.shard_size = shard_size
         self.shard_rank = shard_rank
@@ -85,6 +89,9 @@ class FlatParam:
         self._shard_grad_ref: weakref.ref[torch.Tensor] | None = None  # weak: zero_grad(set_to_none) frees it
         self._h2d_done = None  # offload on an accelerator: event after the last H2D copy of the shard
         self.label = ""  # the unit it belongs to, for the simulated GPU's record (shard.py sets it)
+        # Never gathered: a vocabulary table used row-sharded where it is (engine/vocab.py); its gradient reaches
+        # the segments through autograd, already summed over the shard group.
+        self.local = False
 
         # No shard group and no cast: the shard IS the full buffer (no_shard fp32); never freed, nothing copied.
         self.aliased = shard_size == 1 and compute_dtype == self.dtype and self.shard.device == device
@@ -152,6 +159,8 @@ class FlatParam:
     # -- sharded gradient ------------------------------------------------------------------------------------------
     def shard_grad(self) -> torch.Tensor | None:
         """The sharded gradient (1D, fp32, numel P/W) if one is live, i.e. the optimizer did not drop it."""
+        if self.local:  # autograd accumulates a row-sharded table's gradient into its segment directly
+            return self.segments[0][3].grad if self.segments else None
         base = self._shard_grad_ref() if self._shard_grad_ref is not None else None
         if base is None or any(seg.grad is None for _, _, _, seg in self.segments):
             return None

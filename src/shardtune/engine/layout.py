@@ -37,6 +37,7 @@ class UnitParams:
     no_decay: list[Entry] = field(default_factory=list)  # trainable, no weight decay (norms, biases)
     frozen: list[Entry] = field(default_factory=list)  # requires_grad=False
     quantized: list[Entry] = field(default_factory=list)  # frozen Linear weights stored as NF4 (quantize_base)
+    vocab: list[Entry] = field(default_factory=list)  # vocab_parallel: root tables, one row-sharded buffer each
 
     def flat_groups(self) -> list[tuple[list[Entry], bool, int]]:
         """(entries in buffer order, requires_grad, num_decay) for each non-empty flat buffer: trainable first."""
@@ -57,6 +58,7 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
         for sub in um.modules():
             owner[id(sub)] = i
     names = {id(p): n for n, p in module.named_parameters()}  # canonical (first) name of each parameter
+    tables = {id(p) for p in vocab_tables(module)} if policy.vocab_parallel else set()
     locations: dict[int, list[tuple[nn.Module, str]]] = {}
     param_unit: dict[int, int] = {}
     params: dict[int, nn.Parameter] = {}
@@ -79,7 +81,9 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
                 continue
             p = params[k]
             entry = (names[k], p, locations[k])
-            if not p.requires_grad:
+            if k in tables and up.is_root:
+                up.vocab.append(entry)
+            elif not p.requires_grad:
                 (up.quantized if _is_quantized(policy, up, entry) else up.frozen).append(entry)
             elif policy.no_weight_decay(names[k], p):
                 up.no_decay.append(entry)
@@ -90,10 +94,25 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
                 raise UserError(f"model: {'trainable' if grad else 'frozen'} parameters of one unit have mixed "
                                 f"dtypes {sorted({str(p.dtype) for _, p, _ in group})}; load the model in one dtype")
         units.append(up)
-    if not units[-1].flat_groups():
+    if not units[-1].flat_groups() and not units[-1].vocab:
         raise UserError("engine.wrap: the root unit has no parameters; this engine needs the embeddings outside "
                         "the wrapped blocks (wrap the decoder-block class only)")
     return units
+
+
+def vocab_tables(module: nn.Module) -> list[nn.Parameter]:
+    """The tables vocab parallelism shards by rows (engine/vocab.py): the input embedding when it is a plain
+    nn.Embedding, the head when it is a bias-free nn.Linear with nothing between it and the softmax (loss.py's
+    condition). A tied table qualifies only when both uses do. Frozen or trainable; never a LoRA target."""
+    from shardtune.loss import supports_chunked_loss
+
+    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    emb_w = emb.weight if type(emb) is nn.Embedding and emb.max_norm is None and not emb.sparse else None
+    head_w = head.weight if head is not None and supports_chunked_loss(module) else None
+    if emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0):
+        return [emb_w] if emb_w is not None and head_w is not None else []  # tied: both uses or neither
+    return [w for w in (emb_w, head_w) if w is not None and w.ndim == 2]
 
 
 def _is_replicated(policy: ShardingPolicy, name: str, p: nn.Parameter) -> bool:
@@ -134,10 +153,16 @@ class UnitLayout:
     frozen: FlatLayout | None
     quantized: FlatLayout | None = None  # NF4 bytes (uint8) of the frozen Linear weights under quantize_base
     quantized_weights: tuple[tuple[str, torch.Size], ...] = ()  # (name, shape) of each weight in `quantized`
+    vocab: tuple[FlatLayout, ...] = ()  # vocab_parallel: the root's row-sharded tables, never gathered
+
+    @property
+    def gathered(self) -> list[FlatLayout]:
+        """The flats an all-gather materializes (not the row-sharded tables)."""
+        return [f for f in (self.trainable, self.frozen, self.quantized) if f is not None]
 
     @property
     def flats(self) -> list[FlatLayout]:
-        return [f for f in (self.trainable, self.frozen, self.quantized) if f is not None]
+        return [*self.gathered, *self.vocab]
 
     def padded_numel(self) -> int:
         return sum(f.padded_numel for f in self.flats)
@@ -161,8 +186,17 @@ def unit_layouts(module: nn.Module, policy: ShardingPolicy, shard_size: int) -> 
             flats[grad] = flat_layout(entries, requires_grad=grad, num_decay=num_decay, shard_size=shard_size)
         out.append(UnitLayout(name=path[id(up.module)], is_root=up.is_root, trainable=flats.get(True),
                               frozen=flats.get(False), quantized=quantized_layout(up.quantized, policy, shard_size),
-                              quantized_weights=tuple((n, p.shape) for n, p, _ in up.quantized)))
+                              quantized_weights=tuple((n, p.shape) for n, p, _ in up.quantized),
+                              vocab=tuple(vocab_layout(e, shard_size) for e in up.vocab)))
     return out
+
+
+def vocab_layout(entry: Entry, shard_size: int) -> FlatLayout:
+    """A row-sharded table: padded to whole rows per rank (a multiple of W·H elements)."""
+    _, p, _ = entry
+    pad = padded(p.numel(), shard_size * p.shape[1])
+    return FlatLayout(numel=p.numel(), padded_numel=pad, shard_numel=pad // shard_size, dtype=p.dtype,
+                      requires_grad=p.requires_grad, decay_numel=p.numel() if p.requires_grad else 0)
 
 
 def quantized_layout(entries: list[Entry], policy: ShardingPolicy, shard_size: int) -> FlatLayout | None:

@@ -44,6 +44,7 @@ class QuantizedFlat:
     requires_grad = False
     segments: list = []  # no trainable segment: nothing for the optimizer
     aliased = False
+    local = False  # gathered like any unit flat (only vocabulary tables stay local: engine/vocab.py)
     register_name = "_shardtune_flat_nf4"  # name of the shard on the unit module (shard.py)
 
     def __init__(self, params: list[Entry], *, nf4_dtype: torch.dtype, shard_rank: int, shard_size: int,

@@ -211,8 +211,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     # Meta parameters are filled later (loading.py, seeded_init.py), which check what they fill.
     paths = {id(m): n for n, m in module.named_modules()}
     check_same_on_all_ranks(
-        [(_unit_name(paths[id(up.module)]), checksum(p for g, _, _ in up.flat_groups() for _, p, _ in g
-                                                      if not p.is_meta)) for up in unit_params]
+        [(_unit_name(paths[id(up.module)]), checksum(p for g in [*(g for g, _, _ in up.flat_groups()), up.vocab]
+                                                      for _, p, _ in g if not p.is_meta)) for up in unit_params]
         + [("buffers", checksum(module.buffers())), ("replicated parameters (LoRA adapters)",
                                                     checksum(p for _, p in replicated))], device)
     for i, up in enumerate(unit_params):
@@ -222,6 +222,16 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
         if up.quantized:  # QLoRA base: NF4 bytes, one more frozen flat of the unit (engine/quantized.py)
             flats.append(QuantizedFlat(up.quantized, nf4_dtype=compute, shard_rank=shard_rank, shard_size=shard_size,
                                        device=device, offload=policy.cpu_offload, tile_bytes=policy.nf4_tile_bytes))
+        for k, entry in enumerate(up.vocab):  # vocab_parallel: each table row-sharded, never gathered (vocab.py)
+            name, p, _ = entry
+            vflat = FlatParam([entry], requires_grad=p.requires_grad,
+                              num_decay=0 if policy.no_weight_decay(name, p) else 1, shard_rank=shard_rank,
+                              shard_size=shard_size, compute_dtype=compute, device=device,
+                              offload=policy.cpu_offload, pad_multiple=shard_size * p.shape[1])
+            vflat.local = True
+            vflat.segment_prefix = f"_shardtune_flat_vocab{k}_"
+            vflat.register_name = f"_shardtune_flat_vocab{k}_frozen"
+            flats.append(vflat)
         # The original parameters leave the module; `model.parameters()` now yields this rank's shard segments.
         for flat in flats:
             flat.label = "root" if up.is_root else f"unit{i}"
@@ -229,10 +239,33 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
                 for m, attr in slot.locations:
                     del m._parameters[attr]
             for j, (decay_seg, _, _, seg) in enumerate(flat.segments):
-                um.register_parameter(f"_shardtune_flat_{'decay' if decay_seg else 'no_decay'}_{j}", seg)
+                prefix = getattr(flat, "segment_prefix", "_shardtune_flat_")
+                um.register_parameter(f"{prefix}{'decay' if decay_seg else 'no_decay'}_{j}", seg)
             if not flat.requires_grad:
                 um.register_parameter(getattr(flat, "register_name", "_shardtune_flat_frozen"),
                                       nn.Parameter(flat.shard, requires_grad=False))
         units.append(Unit(um, flats, ctx, index=-1 if up.is_root else i, is_root=up.is_root))
     ctx.units, ctx.root = units[:-1], units[-1]
+    _install_vocab_tables(ctx, units[-1], replicate_group)
     return ShardtuneModel(module, units, ctx, policy)
+
+
+def _install_vocab_tables(ctx: EngineContext, root: Unit, replicate_group: ProcessGroup | None) -> None:
+    """Route the embedding and head through their row-sharded tables (vocab.py). Hybrid: a trainable table's
+    local gradient is summed over the replicas at the end of a synced backward, like the adapters."""
+    from shardtune.engine.vocab import VocabTable, install
+
+    segments = []
+    for flat in (f for f in root.flats if f.local):
+        assert ctx.shard_group is not None, "vocab_parallel needs a shard group of more than one rank"
+        slot = flat.slots[0]
+        mods = [m for m, _ in slot.locations]
+        emb = next((m for m in mods if isinstance(m, nn.Embedding)), None)
+        head = next((m for m in mods if isinstance(m, nn.Linear)), None)
+        table = VocabTable(flat, num_rows=slot.shape[0], hidden=slot.shape[1], group=ctx.shard_group,
+                           counter=ctx.counter, device=ctx.device,
+                           padding_idx=emb.padding_idx if emb is not None else None)
+        install(table, emb, head)
+        segments += [(slot.name, seg) for _, _, _, seg in flat.segments]
+    if segments and replicate_group is not None:
+        ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter)

