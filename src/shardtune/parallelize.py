@@ -63,8 +63,23 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
         replicated=(lambda name, p: is_adapter(name)) if lora else None,
         quantize_base=quantize_base == "nf4",
         nf4_tile_bytes=int(engine.nf4_tile_mb * (1 << 20)) if quantize_base == "nf4" else 0,
-        vocab_parallel=engine.vocab_parallel and shard_group_size(engine, world_size, local_world_size) > 1,
+        vocab_parallel=vocab_parallel(engine, world_size, local_world_size),
     )
+
+
+def vocab_parallel(engine: EngineConfig, world_size: int, local_world_size: int) -> bool:
+    """engine.vocab_parallel where it applies: a shard group of more than one rank; our backend without offload."""
+    if not engine.vocab_parallel or shard_group_size(engine, world_size, local_world_size) < 2:
+        return False
+    if engine.backend == "torch":
+        return True  # FSDP2: the embedding and the head become units of their own (torch_backend.table_units)
+    if engine.cpu_offload:
+        # Not built for the offload path yet (the row shards would have to live on the host and be copied per use;
+        # a simulated QLoRA offload step fails in the NF4 matmul with it): the tables stay in the root unit.
+        warnings.warn("engine.vocab_parallel is ignored with engine.cpu_offload=true: the embedding and lm_head are "
+                      "gathered with the root unit", stacklevel=3)
+        return False
+    return True
 
 
 def shard_group_size(engine: EngineConfig, world_size: int, local_world_size: int) -> int:

@@ -13,7 +13,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tests.distributed.common import adamw, global_batch, num_targets, policy_for
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_lora import LORA
@@ -91,7 +90,28 @@ def _reference(name: str, mode: str):
     return model, losses
 
 
-def _parity(name: str, mode: str, strategy: str = "full_shard") -> None:
+def _fsdp2_parity(name: str, mode: str) -> None:
+    """engine.backend=torch with vocab_parallel: the untied embedding and head are FSDP2 units of their own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardtune.engine import torch_backend
+
+    _, ref = _reference(name, mode)
+    model = _model(name, mode)
+    policy = dataclasses.replace(policy_for(model, "full_shard", world=dist.get_world_size()), vocab_parallel=True)
+    if mode != "full":
+        policy = dataclasses.replace(policy, replicated=lambda n, p: is_adapter(n))
+    sharded = torch_backend.shard_model(model, policy, device=torch.device("cpu"))
+    tables = [model.get_input_embeddings(), model.get_output_embeddings()]
+    assert all(isinstance(m, FSDPModule) for m in tables) == (name == "tiny-llama")  # tied: one table, in the root
+    losses = _steps(model, sharded, adamw(sharded.optimizer_param_groups(0.1)), chunk=CHUNK)
+    for step, (got, want) in enumerate(zip(losses, ref, strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
+
+
+def _parity(name: str, mode: str, strategy: str = "full_shard", backend: str = "shardtune") -> None:
+    if backend == "torch":
+        return _fsdp2_parity(name, mode)
     ref_model, ref = _reference(name, mode)
     model = _model(name, mode)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -141,6 +161,7 @@ def _parity(name: str, mode: str, strategy: str = "full_shard") -> None:
 def test_vocab_parallel_two_ranks():
     settings = [{"name": n, "mode": m} for n in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
                 for m in ("full", "lora", "qlora")]
+    settings += [{"name": n, "mode": m, "backend": "torch"} for n in ("tiny-llama", "tiny-qwen3") for m in ("full", "lora")]
     run_distributed(_parity, 2, settings)
 
 

@@ -84,9 +84,9 @@ class EngineConfig:
     # reused buffer, forward and backward, instead of the whole weight (+~14 B/weight of torchao temporaries).
     # 0 = off: torchao's whole-weight linear_nf4 (today's path).
     nf4_tile_mb: float = 64.0
-    # The embedding and lm_head sharded by vocabulary rows and never all-gathered (engine/vocab.py): saves the
-    # gathered root's two V x H tables. Our backend, sharded strategies, more than one rank in the shard group;
-    # false: the tables live in the root unit and are gathered with it (the path before it).
+    # The embedding and lm_head sharded by vocabulary rows and never all-gather (engine/vocab.py): saves the
+    # gathered root's two V x H tables. Our backend, sharded strategies, more than one rank in the shard group, no
+    # cpu_offload (ignored there, with a warning); false: the tables live in the root unit and are gathered with it.
     vocab_parallel: bool = False
 
     def __post_init__(self) -> None:

@@ -64,8 +64,9 @@ class ShardingPolicy:
     # QLoRA: bytes of the dequantized row tile an NF4 matmul computes with (engine/nf4_linear.py); 0: torchao's
     # whole-weight linear_nf4.
     nf4_tile_bytes: int = 0
-    # The embedding and head tables sharded by vocabulary rows over the shard group and never gathered
-    # (engine/vocab.py). Only with a shard group of more than one rank.
+    # Our backend: the embedding and head tables sharded by vocabulary rows over the shard group and never gathered
+    # (engine/vocab.py). FSDP2: the (untied) embedding and head become units of their own. Only with a shard group
+    # of more than one rank.
     vocab_parallel: bool = False
 
 

@@ -108,7 +108,8 @@ def vocab_tables(module: nn.Module) -> list[nn.Parameter]:
 
     emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
-    emb_w = emb.weight if type(emb) is nn.Embedding and emb.max_norm is None and not emb.sparse else None
+    plain = isinstance(emb, nn.Embedding) and type(emb).forward is nn.Embedding.forward  # not a scaled subclass
+    emb_w = emb.weight if plain and emb.max_norm is None and not emb.sparse else None
     head_w = head.weight if head is not None and supports_chunked_loss(module) else None
     if emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0):
         return [emb_w] if emb_w is not None and head_w is not None else []  # tied: both uses or neither

@@ -96,8 +96,16 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=accelerator.has_pinned_memory(device)) if policy.cpu_offload else OffloadPolicy()
     reshard = policy.strategy is not ShardingStrategy.SHARD_GRAD_OP
     units = find_units(module, policy.unit_classes, policy.min_unit_params)
+    # As torchtitan does: the embedding and the head are units of their own (when untied), so the root's gathered
+    # buffer never holds both V x H tables. The embedding is freed after its forward (and re-gathered for its
+    # backward when it trains); the head is the first unit backward needs, so it stays gathered (reshard=False).
+    emb, head = table_units(module) if policy.vocab_parallel else (None, None)
+    if emb is not None:
+        fully_shard(emb, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    if head is not None:
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     # The root is the last unit FSDP2 runs backward for; it keeps its params for backward (reshard=False).
     fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     sharded = TorchShardedModel(module, policy, mesh)
@@ -107,3 +115,13 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
     return sharded
+
+
+def table_units(module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(embedding, head) modules to shard as units of their own: both, when they exist and do not share a weight
+    (a tied table stays in the root, where both uses see one gathered copy)."""
+    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if emb is None or head is None or getattr(emb, "weight", None) is getattr(head, "weight", None):
+        return None, None
+    return emb, head

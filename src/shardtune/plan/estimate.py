@@ -68,6 +68,7 @@ class Setup:
     backward_schedule: str = "staggered"  # overlap | staggered (engine/unit.py; `auto` resolved in from_recipe)
     loss_chunk: int = 0  # train.loss_chunk_tokens (loss.py): tokens per chunk of the fused head + loss; 0: full logits
     nf4_tile_bytes: int = 0  # engine.nf4_tile_mb (engine/nf4_linear.py, our backend); 0: torchao's whole weight
+    vocab_parallel: bool = False  # engine.vocab_parallel (engine/vocab.py, our backend): tables never gathered
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -82,7 +83,8 @@ class Setup:
                    else ("staggered" if device_is_cpu else "overlap"),
                    # DPO's log-probs take the full logits (dpo.py): the chunked loss is SFT's
                    loss_chunk=r.train.loss_chunk_tokens if r.train.objective == "sft" else 0,
-                   nf4_tile_bytes=int(e.nf4_tile_mb * (1 << 20)) if e.backend == "shardtune" else 0)
+                   nf4_tile_bytes=int(e.nf4_tile_mb * (1 << 20)) if e.backend == "shardtune" else 0,
+                   vocab_parallel=e.vocab_parallel and e.backend == "shardtune" and not e.cpu_offload)
 
     @property
     def shard_size(self) -> int:
@@ -184,15 +186,28 @@ def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int) -> t
     return buf, transient
 
 
-def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool) -> tuple[int, int]:
+def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int = 0) -> tuple[int, int]:
     """(forward, backward) transient of the loss, on top of the saved activations.
     Full logits: logits (b·s·V, compute dtype), their fp32 flattened shifted copy and log_softmax's output; in
     backward log_softmax's output, its gradient and the gradient of its input (3 fp32 b·(s-1)·V).
     Chunked (loss.py): one chunk's logits in fp32 (C·V·4; in bf16 also the bf16 logits, then the bf16 gradient:
     C·V·2) while the gradients are formed in forward: grad_h (b·s·H, compute dtype) and, when the head trains,
-    grad_W (V·H). Both stay until the backward takes them (scaled in place)."""
+    grad_W (V·H). Both stay until the backward takes them (scaled in place).
+    Vocab-parallel (`vocab_rows` R = ceil(V/W) local rows, engine/vocab.py): the chunks run over the W·b·s gathered
+    tokens against R rows; the gathered hidden states and their gradient (2·W·b·s·H) live during the loop, the
+    rank's own grad_h (b·s·H) and the local rows' gradient (R·H) after it. Without chunking: the local logits of all
+    gathered tokens and the all-to-all's output (each ~b·s·V) before the old path's tensors."""
     d, c = stats.dims, _size(s.compute)
     V, tokens = d.vocab, s.micro_batch * s.seq_len
+    if vocab_rows:
+        W = s.shard_size
+        full_fwd, full_bwd = loss_bytes(stats, s, head_trains)
+        if not s.loss_chunk:
+            return full_fwd + 2 * W * tokens * vocab_rows * c, full_bwd + 2 * W * tokens * vocab_rows * c
+        G = W * tokens
+        C = min(s.loss_chunk, G)
+        grads = tokens * d.hidden * c + (vocab_rows * d.hidden * c if head_trains else 0)
+        return C * vocab_rows * 4 + (C * vocab_rows * c if c != 4 else 0) + 2 * G * d.hidden * c + G * 8 + grads, grads
     if not s.loss_chunk:
         rows = s.micro_batch * (s.seq_len - 1)
         return tokens * V * c + 2 * rows * V * 4, 3 * rows * V * 4
@@ -213,13 +228,17 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     c = _size(s.compute)
     W = s.shard_size
     base_dtype = s.compute if s.lora else DTYPES[stats.recipe.model.dtype]
-    units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora)
+    vp = s.vocab_parallel and W > 1 and s.strategy != "no_shard" and not s.offload  # parallelize.vocab_parallel
+    units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora, vocab_parallel=vp)
     *blocks, root = units
     aliased = W == 1
+    # vocab_parallel: the root's tables stay row-sharded (R rows each), never gathered; their shards count as params
+    vocab_rows = root.vocab[0].shard_numel // d.hidden if root.vocab else 0
+    vocab_train = sum(f.shard_numel for f in root.vocab if f.requires_grad)
 
     def gathered(u: UnitLayout) -> int:  # the unsharded buffer(s) of a unit: compute dtype, NF4 bytes as bytes
         return sum(f.padded_numel if f.dtype == torch.uint8 else 0 if aliased and f.dtype == s.compute
-                   else f.padded_numel * c for f in u.flats)
+                   else f.padded_numel * c for f in u.gathered)
 
     tokens = s.micro_batch * s.seq_len
     tile_buf = 0
@@ -229,7 +248,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         dequant = nf4_matmul_bytes(units, c)
 
     shard_bytes = sum(f.shard_bytes() for u in units for f in u.flats)
-    train_shard = sum(u.trainable.shard_numel for u in units if u.trainable)
+    train_shard = sum(u.trainable.shard_numel for u in units if u.trainable) + vocab_train
     lora_p = stats.lora_params() if s.lora else 0
     states_params = shard_bytes + 4 * lora_p
     grads_full = 4 * train_shard + 4 * lora_p
@@ -261,7 +280,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     acts = sum(saved) + root_activation_bytes(stats, s)
     last_ckpt = bool(ckpt) and ckpt[-1]
     recompute = per_layer if last_ckpt else 0  # the last unit's full set, recomputed during its backward
-    ce_fwd, ce_bwd = loss_bytes(stats, s, root.trainable is not None)
+    head_trains = (root.trainable is not None and not vp) or bool(vocab_train)
+    ce_fwd, ce_bwd = loss_bytes(stats, s, head_trains, vocab_rows)
 
     # Gathered units held at the end of forward.
     unit_g = [gathered(u) for u in blocks]
@@ -305,7 +325,10 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     bsi = s.micro_batch * s.seq_len * d.intermediate * c
     mlp_w_grad = d.hidden * d.intermediate * c if not s.lora else 0
     root_grad = 4 * root.trainable.shard_numel if root.trainable is not None and not s.offload else 0
-    head_grad = d.vocab * d.hidden * c if root.trainable is not None else 0
+    # The head's weight gradient, held from the loss to the root's reduction; vocab-parallel: the local rows' (fp32
+    # in the segment's .grad, accumulated by autograd), part of the sharded grads from then on.
+    head_grad = (vocab_rows * d.hidden * c if vocab_train else 0) if vp else \
+        (d.vocab * d.hidden * c if root.trainable is not None else 0)
     prefetch_g = big if s.prefetch and s.strategy not in ("shard_grad_op", "no_shard") else 0
     held_bwd = held_fwd if s.strategy in ("shard_grad_op", "no_shard") else gathered(root) + big + prefetch_g
 
@@ -374,8 +397,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     # (train.build_optimizer): in place, no temporaries. CUDA (foreach): one sqrt per segment, all at once.
     segs = []
     for decay in (True, False):  # optimizer order: decay group, then no-decay, units in forward order, root last
-        for u in units:
-            t = u.trainable
+        for t in [*(u.trainable for u in units), *(f for f in root.vocab if f.requires_grad)]:
             if t is not None:
                 n = t.decay_numel if decay else t.numel - t.decay_numel
                 if n:

@@ -55,7 +55,7 @@ def step_time(plan: Plan) -> dict[str, float]:
     per_node = max(1, s.world // s.nodes)
     link = hw.intra_node_gbps if W <= per_node else hw.inter_node_gbps
     c = s.compute.itemsize
-    ag = sum(f.padded_numel * (1 if f.dtype.itemsize == 1 else c) for u in e.units for f in u.flats)  # every unit
+    ag = sum(f.padded_numel * (1 if f.dtype.itemsize == 1 else c) for u in e.units for f in u.gathered)  # every unit
     rs = sum(u.trainable.padded_numel * s.reduce.itemsize for u in e.units if u.trainable)
     frac = (W - 1) / W if W > 1 else 0.0
     gathers = 2 if s.strategy in ("full_shard", "hybrid_shard") else 1
@@ -65,6 +65,9 @@ def step_time(plan: Plan) -> dict[str, float]:
         comm = 2 * (s.world - 1) / s.world * rs * reduces / (link * 1e9) if s.world > 1 else 0.0
     else:
         byts = frac * (gathers * ag * s.grad_accum + rs * reduces)
+        if e.units and e.units[-1].vocab:  # vocab-parallel (engine/vocab.py): W·b·s·H moved 3x (4x: trainable embedding)
+            moves = 3 + any(f.requires_grad for f in e.units[-1].vocab)
+            byts += frac * moves * W * s.micro_batch * s.seq_len * d.hidden * c * s.grad_accum
         comm = byts / (link * 1e9)
         if s.strategy == "hybrid_shard" and s.world > W:
             r = s.world // W

@@ -65,7 +65,11 @@ def build_skeleton(raw: dict, dtype: torch.dtype) -> nn.Module:
     body.rotary_emb = names["RotaryEmbedding"]()
     for buf in ("inv_freq", "original_inv_freq"):  # fp32, head_dim / 2, non-persistent
         body.rotary_emb.register_buffer(buf, torch.empty(c.head_dim // 2, device="meta"), persistent=False)
-    root = type(f"{fam.prefix}ForCausalLM", (nn.Module,), {"_no_split_modules": [block.__name__]})()
+    root = type(f"{fam.prefix}ForCausalLM", (nn.Module,), {
+        "_no_split_modules": [block.__name__],
+        # what the engine's layout asks for the vocabulary tables (layout.vocab_tables)
+        "get_input_embeddings": lambda self: self.model.embed_tokens,
+        "get_output_embeddings": lambda self: self.lm_head})()
     root.model = body
     root.lm_head = linear(h, c.vocab_size, False)
     if c.tie_word_embeddings:
