@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/engine_vs_fsdp2.py                 # 31 M-param Llama, fp32 and bf16, ~4 min
     .venv/bin/python bench/engine_vs_fsdp2.py --dtypes fp32 --layers 4   # quicker
+    .venv/bin/python bench/engine_vs_fsdp2.py --vocab-parallel   # engine.vocab_parallel + the chunked loss on both
 
 Self-contained: builds a Llama-architecture model from a config written here, drives both engines with its own
 training loop (sum CE / global target tokens, AdamW, clipping), and prints a markdown table:
@@ -48,7 +49,9 @@ def build(a: argparse.Namespace, backend: str, dtype: torch.dtype):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(llama_config(a), attn_implementation="sdpa")
     policy = ShardingPolicy(strategy=ShardingStrategy.FULL_SHARD, unit_classes=(LlamaDecoderLayer,),
-                            mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32))
+                            mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32),
+                            # --vocab-parallel: ours row-shards the tables, FSDP2 makes them units of their own
+                            vocab_parallel=a.vocab_parallel)
     sharded = BACKENDS[backend].shard_model(model, policy, device=torch.device("cpu"))
     # The optimizer train.py builds for host states (build_optimizer: fused on CPU): foreach would add a temporary
     # copy of every shard to the optimizer phase (its _foreach_sqrt), which no training run pays.
@@ -65,8 +68,15 @@ def batch(a: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor,
 
 def train_step(a, model, sharded, opt, step: int) -> tuple[float, int]:
     ids, _, total = batch(a, step)
-    logits = model(input_ids=ids).logits.float()
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, a.vocab), ids[:, 1:].reshape(-1), reduction="sum") / total
+    if a.vocab_parallel:  # the product's defaults: the chunked loss (1024 tokens), on the row-sharded head for ours
+        from shardtune.loss import token_loss_sum
+
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        logits = None
+        loss = token_loss_sum(model, ids, ids, pos, chunk_tokens=1024) / total
+    else:
+        logits = model(input_ids=ids).logits.float()
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, a.vocab), ids[:, 1:].reshape(-1), reduction="sum") / total
     before = sharded.comm_bytes()
     loss.backward()
     del logits
@@ -186,6 +196,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks share the cores)")
     p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="engine.vocab_parallel on both backends, and the chunked loss (the product's defaults)")
     p.add_argument("--peak-list", type=int, default=0, help="print the N largest groups of live tensors at the peak")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

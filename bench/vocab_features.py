@@ -1,10 +1,12 @@
-"""Issue 21 (chunked loss, tiled NF4): every recipes/hardware recipe planned on today's path and with the new
-defaults, side by side, plus `plan --fit`'s fastest predicted tokens/s for each.
+"""Issue 21 (chunked loss, tiled NF4, vocab_parallel): every recipes/hardware recipe planned on the path before the
+issue, without vocab_parallel, and with the new defaults, side by side, plus `plan --fit`'s fastest predicted
+tokens/s for each.
 
     .venv/bin/python bench/vocab_features.py          # a few seconds: plans only, nothing runs
 
-"before" is the recipe (and --fit's candidates) with `train.loss_chunk_tokens=0 engine.nf4_tile_mb=0` (today's path, which the plan models
-unchanged); "after" is the recipe as shipped (the new defaults). Prints a markdown table.
+"before" is the recipe (and --fit's candidates) with `train.loss_chunk_tokens=0 engine.nf4_tile_mb=0
+engine.vocab_parallel=false` (the path before, which the plan models unchanged); "no vp" only
+`engine.vocab_parallel=false`; "after" is the recipe as shipped (the new defaults). Prints a markdown table.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from shardtune.plan import make_plan
 from shardtune.plan.planner import GiB
 from shardtune.plan.search import fit_search
 
-OLD = ["train.loss_chunk_tokens=0", "engine.nf4_tile_mb=0"]
+OLD = ["train.loss_chunk_tokens=0", "engine.nf4_tile_mb=0", "engine.vocab_parallel=false"]
+NO_VP = ["engine.vocab_parallel=false"]
 
 
 def _row(recipe: str, overrides: list[str]) -> tuple[str, str]:
@@ -21,16 +24,18 @@ def _row(recipe: str, overrides: list[str]) -> tuple[str, str]:
     found = fit_search(plan)
     if overrides == OLD:  # today's search: the new features were not there to turn on
         found = [c for c in found if not c.plan.setup.loss_chunk and not c.plan.setup.nf4_tile_bytes]
-    best = f"{found[0].time['tokens_per_s']:.0f} ({found[0].overrides()})" if found else "nothing fits"
+    top = found[0].plan.setup if found else None
+    best = (f"{found[0].time['tokens_per_s']:.0f} (mb {top.micro_batch}{', offload' if top.offload else ''})"
+            if found else "nothing fits")
     return f"{plan.estimate.total / GiB:.2f}{'' if plan.fits else ' (no fit)'}", best
 
 
 def main() -> None:
-    print("| recipe | peak before GiB | peak after GiB | --fit tok/s before | --fit tok/s after |")
-    print("|---|---:|---:|---|---|")
+    print("| recipe | peak before GiB | no vp GiB | peak after GiB | --fit tok/s before | no vp | after |")
+    print("|---|---:|---:|---:|---|---|---|")
     for path in sorted((RECIPES_DIR / "hardware").glob("*.yaml")):
-        before, after = _row(str(path), OLD), _row(str(path), [])
-        print(f"| {path.stem} | {before[0]} | {after[0]} | {before[1]} | {after[1]} |")
+        before, no_vp, after = _row(str(path), OLD), _row(str(path), NO_VP), _row(str(path), [])
+        print(f"| {path.stem} | {before[0]} | {no_vp[0]} | {after[0]} | {before[1]} | {no_vp[1]} | {after[1]} |")
 
 
 if __name__ == "__main__":

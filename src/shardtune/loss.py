@@ -29,10 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtune.data.formats import IGNORE
-
-# Config attributes that put something between the head and the softmax (final logit soft-capping, logit scales):
-# the fused chunked loss does not apply them, so such a model keeps the plain path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+from shardtune.engine.layout import supports_chunked_loss  # also what vocab_parallel shards (layout.py)
 
 
 def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
@@ -46,17 +43,6 @@ def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     # avoids a copy of b*s*H.
     targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1).flatten()
     return _fused_loss(model, input_ids, position_ids, targets, chunk_tokens)
-
-
-def supports_chunked_loss(model: nn.Module) -> bool:
-    """A bias-free Linear head and nothing between it and the softmax. Asked of the module structure, not of the
-    weight: a sharded model's head has no `weight` attribute until its unit is gathered."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    # nn.Linear(bias=False) registers bias as None; a sharded bias has left _parameters: "absent" is not None
-    if not isinstance(head, nn.Linear) or head._parameters.get("bias", "absent") is not None:
-        return False
-    cfg = getattr(model, "config", None)
-    return not any(getattr(cfg, a, None) not in (None, 1, 1.0) for a in _LOGIT_TRANSFORMS)
 
 
 def _fused_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,

@@ -68,17 +68,11 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
 
 
 def vocab_parallel(engine: EngineConfig, world_size: int, local_world_size: int) -> bool:
-    """engine.vocab_parallel where it applies: a shard group of more than one rank; our backend without offload."""
+    """engine.vocab_parallel where it applies: a shard group of more than one rank."""
     if not engine.vocab_parallel or shard_group_size(engine, world_size, local_world_size) < 2:
         return False
     if engine.backend == "torch":
         return True  # FSDP2: the embedding and the head become units of their own (torch_backend.table_units)
-    if engine.cpu_offload:
-        # Not built for the offload path yet (the row shards would have to live on the host and be copied per use;
-        # a simulated QLoRA offload step fails in the NF4 matmul with it): the tables stay in the root unit.
-        warnings.warn("engine.vocab_parallel is ignored with engine.cpu_offload=true: the embedding and lm_head are "
-                      "gathered with the root unit", stacklevel=3)
-        return False
     return True
 
 

@@ -3,8 +3,10 @@
 8 steps of full fine-tuning, LoRA and QLoRA on 2 and 4 ranks (full_shard, and hybrid 2 x 2), Llama (untied, with a
 padding_idx), Qwen2 and Qwen3 (tied embedding and head), all with a 131-token vocabulary that no world size divides,
 equal one process on the old path (full fp32 logits, gathered tables, torchao's whole-weight NF4) per step within
-1e-5 relative; then the chunked eval loss, the full-logits path (all-to-all) and its gradient, a DCP checkpoint that
-loads back at another world size, and full_state_dict, all against the reference. One spawn per world size.
+1e-5 relative; then the chunked eval loss, the full-logits path (all-to-all) and its gradient, full_state_dict
+against the reference, and a DCP checkpoint (one entry per original parameter) that loads into the gathered-table
+layout (vocab_parallel off) with the same weights and AdamW state; FSDP2 with the embedding and head
+as units of their own; and the offload path. One spawn per world size.
 """
 from __future__ import annotations
 
@@ -109,20 +111,22 @@ def _fsdp2_parity(name: str, mode: str) -> None:
         assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
 
 
-def _parity(name: str, mode: str, strategy: str = "full_shard", backend: str = "shardtune") -> None:
+def _parity(name: str, mode: str, strategy: str = "full_shard", backend: str = "shardtune",
+            offload: bool = False) -> None:
     if backend == "torch":
         return _fsdp2_parity(name, mode)
     ref_model, ref = _reference(name, mode)
     model = _model(name, mode)
     world, rank = dist.get_world_size(), dist.get_rank()
-    policy = dataclasses.replace(policy_for(model, strategy, world=world), vocab_parallel=True)
+    policy = dataclasses.replace(policy_for(model, strategy, world=world), vocab_parallel=True, cpu_offload=offload)
     if mode != "full":
         policy = dataclasses.replace(policy, replicated=lambda n, p: is_adapter(n), quantize_base=mode == "qlora",
                                      nf4_tile_bytes=4096 if mode == "qlora" else 0)
     sharded = shardtune_backend.shard_model(model, policy, device=torch.device("cpu"))
     tables = [f for f in sharded.units[-1].flats if f.local]
     assert len(tables) == (1 if name != "tiny-llama" else 2), "tied: one table; untied: embedding and head"
-    losses = _steps(model, sharded, adamw(sharded.optimizer_param_groups(0.1)), chunk=CHUNK)
+    opt = adamw(sharded.optimizer_param_groups(0.1))
+    losses = _steps(model, sharded, opt, chunk=CHUNK)
     for step, (got, want) in enumerate(zip(losses, ref, strict=True)):
         assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
     assert all(f.full.numel() == 0 for f in tables), "a table was gathered"
@@ -143,6 +147,7 @@ def _parity(name: str, mode: str, strategy: str = "full_shard", backend: str = "
     g = h.grad.clone()
     h.grad = None
     (want_logits * torch.arange(VOCAB)).sum().backward()
+    opt.zero_grad(set_to_none=True)  # that backward also reached the head's rows (full fine-tuning)
     # 8 steps of fp32 training apart (weights agree to ~1e-7) and sums in another order: compared as a whole
     assert (g - h.grad).norm() <= 1e-5 * h.grad.norm(), ((g - h.grad).norm(), h.grad.norm())
     # The exported weights (one entry per original parameter) equal the reference's
@@ -156,12 +161,52 @@ def _parity(name: str, mode: str, strategy: str = "full_shard", backend: str = "
             want_w = next(v for n, v in ref_sd.items() if n.endswith(k))
             # AdamW normalizes: a near-zero gradient summed in another order moves a weight by up to ~lr·1e-2
             torch.testing.assert_close(full[key], want_w.float(), rtol=1e-4, atol=2e-5)
+    if mode == "full" and strategy == "full_shard" and not offload:
+        _checkpoint_round_trip(name, sharded, opt, policy, full)
+
+
+def _checkpoint_round_trip(name, sharded, opt, policy, full) -> None:
+    """Saved with row-sharded tables, loaded where the tables sit in the gathered root (vocab_parallel off): the
+    checkpoint format does not change."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    box = [tempfile.mkdtemp(prefix="vp_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    dcp.save(sharded.checkpoint_state(opt), checkpoint_id=box[0])
+    model2 = build(name)
+    other = shardtune_backend.shard_model(model2, dataclasses.replace(policy, vocab_parallel=False),
+                                          device=torch.device("cpu"))
+    assert not any(f.local for f in other.units[-1].flats)
+    opt2 = adamw(other.optimizer_param_groups(0.1))
+    state = other.checkpoint_state(opt2, for_load=True)
+    dcp.load(state, checkpoint_id=box[0])
+    other.load_checkpoint_state(state, opt2)
+    loaded = dict(other.full_state_dict())
+    if dist.get_rank() == 0:
+        assert loaded.keys() == full.keys()
+        for k in full:
+            torch.testing.assert_close(loaded[k], full[k], rtol=0, atol=0)
+    # AdamW moments too: one more step from each gives the same weights
+    ids, labels, pos, total = _batch(NUM_STEPS + 1, dist.get_world_size(), dist.get_rank())
+    for model_, sharded_, opt_ in ((sharded.module, sharded, opt), (model2, other, opt2)):
+        (token_loss_sum(model_, ids, labels, pos, chunk_tokens=CHUNK) / total).backward()
+        sharded_.clip_grad_norm_(1.0)
+        opt_.step()
+        opt_.zero_grad(set_to_none=True)
+    a, b = dict(sharded.full_state_dict()), dict(other.full_state_dict())
+    if dist.get_rank() == 0:
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
 def test_vocab_parallel_two_ranks():
     settings = [{"name": n, "mode": m} for n in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
                 for m in ("full", "lora", "qlora")]
     settings += [{"name": n, "mode": m, "backend": "torch"} for n in ("tiny-llama", "tiny-qwen3") for m in ("full", "lora")]
+    # cpu_offload: the rows live on the host and are copied per use (the offload path runs on CPU too)
+    settings += [{"name": "tiny-llama", "mode": m, "offload": True} for m in ("full", "qlora")]
     run_distributed(_parity, 2, settings)
 
 

@@ -19,6 +19,7 @@ ON_DEVICE = {
     ("engine/collectives.py", "reduce_scatter_into"): "the engine's flat gradients (compute device)",
     ("engine/collectives.py", "all_reduce_"): "flat gradients, adapter buckets, the squared norm (compute device)",
     ("engine/collectives.py", "_post"): "gloo only: the in-place ring runs when the backend is gloo",
+    ("engine/collectives.py", "all_to_all_into"): "vocab-parallel logits and their gradient (compute device)",
     ("engine/fingerprint.py", "check_same_on_all_ranks"): "checksums built with device=runtime device",
     ("runtime.py", "all_reduce_sum"): "built with device=runtime device",
     ("runtime.py", "all_reduce_max"): "built with device=runtime device",
@@ -32,6 +33,7 @@ ON_HOST_GROUP = {
     ("checkpoint/manager.py", "_agree_ok"): "accelerator.host_group()",
     ("checkpoint/manager.py", "_barrier"): "accelerator.host_group()",
     ("data/ranks.py", "prepare_for_ranks"): "dist.new_group(backend='gloo')",
+    ("engine/vocab.py", "max_tokens"): "accelerator.host_group(): a token count, host metadata",
 }
 
 

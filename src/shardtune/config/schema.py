@@ -85,9 +85,9 @@ class EngineConfig:
     # 0 = off: torchao's whole-weight linear_nf4 (today's path).
     nf4_tile_mb: float = 64.0
     # The embedding and lm_head sharded by vocabulary rows and never all-gather (engine/vocab.py): saves the
-    # gathered root's two V x H tables. Our backend, sharded strategies, more than one rank in the shard group, no
-    # cpu_offload (ignored there, with a warning); false: the tables live in the root unit and are gathered with it.
-    vocab_parallel: bool = False
+    # gathered root's two V x H tables. Sharded strategies with more than one rank in the shard group (FSDP2: the
+    # embedding and head become units of their own); false: the tables live in the root unit, gathered with it.
+    vocab_parallel: bool = True
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")

@@ -100,12 +100,26 @@ def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitPar
     return units
 
 
+# Config attributes that put something between the head and the softmax (final logit soft-capping, logit scales):
+# the fused chunked loss does not apply them, so such a model keeps the plain path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def supports_chunked_loss(model: nn.Module) -> bool:
+    """A bias-free Linear head and nothing between it and the softmax. Asked of the module structure, not of the
+    weight: a sharded model's head has no `weight` attribute until its unit is gathered."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # nn.Linear(bias=False) registers bias as None; a sharded bias has left _parameters: "absent" is not None
+    if not isinstance(head, nn.Linear) or head._parameters.get("bias", "absent") is not None:
+        return False
+    cfg = getattr(model, "config", None)
+    return not any(getattr(cfg, a, None) not in (None, 1, 1.0) for a in _LOGIT_TRANSFORMS)
+
+
 def vocab_tables(module: nn.Module) -> list[nn.Parameter]:
     """The tables vocab parallelism shards by rows (engine/vocab.py): the input embedding when it is a plain
     nn.Embedding, the head when it is a bias-free nn.Linear with nothing between it and the softmax (loss.py's
     condition). A tied table qualifies only when both uses do. Frozen or trainable; never a LoRA target."""
-    from shardtune.loss import supports_chunked_loss
-
     emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     plain = isinstance(emb, nn.Embedding) and type(emb).forward is nn.Embedding.forward  # not a scaled subclass

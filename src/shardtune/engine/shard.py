@@ -116,8 +116,9 @@ class ShardtuneModel:
         return sum(f.state_bytes() for u in self.units for f in u.flats) + kept + self.ctx.replicated.state_bytes()
 
     def padded_numels(self) -> list[list[int]]:
-        """Per unit (forward order, root last): padded numel P of each flat buffer. For accounting tests/bench."""
-        return [[f.padded_numel for f in u.flats] for u in self.units]
+        """Per unit (forward order, root last): padded numel P of each gathered flat buffer (row-sharded vocabulary
+        tables are never gathered: not listed). For accounting tests/bench."""
+        return [[f.padded_numel for f in u.flats if not f.local] for u in self.units]
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Gathers one flat buffer at a time (master dtype): rank 0 holds what it yielded plus one unit."""

@@ -12,8 +12,8 @@ Under FSDP every rank has its own batch, so the rows a rank needs for its tokens
              vectors. Exact: every element is one rank's value plus zeros. Backward (trainable table only):
              all-gather the vectors' gradients and add them into the local rows.
   head+loss  all-gather the final hidden states (W·b·s·H) and targets; per chunk of tokens, local logits
-             (C x R, fp32), then one all-gather of three numbers per token (local max, local sum of exponentials,
-             the target's logit where it is local) gives the exact log-sum-exp; the gradient is formed at once
+             (C x R, fp32), then one all-gather of two numbers per token (the local rows' log-sum-exp, the
+             target's logit where it is local) gives the exact log-sum-exp; the gradient is formed at once
              (softmax - onehot, as loss.py does), its contraction with the local rows is reduce-scattered back to
              the tokens' ranks, and the table's gradient stays local (no reduce-scatter).
   logits     (eval without chunking, DPO, generation) the same gather, local logits for all tokens, and one
@@ -64,7 +64,16 @@ class VocabTable:
         fp32 master segment, so autograd sends the rows' gradient into the segment's .grad."""
         flat = self.flat
         src = flat.segments[0][3] if flat.segments else flat.shard[:self.num_local * self.hidden]
-        return src.view(self.num_local, self.hidden).to(device=self.device, dtype=flat.compute_dtype)
+        # cpu_offload: the rows live on the host. Copied as every shard is (flat_param.shard_on_device): non-blocking
+        # from pinned memory, its event kept for wait_host_reads (the host optimizer writes the rows next); the
+        # simulated host (plan/simulate.py HostMeta) knows an H2D copy by non_blocking. No copy when on the device.
+        needs_grad = src.requires_grad and torch.is_grad_enabled() and src.device != self.device
+        dev = _RowsToDevice.apply(src, self.device) if needs_grad else src.to(self.device, non_blocking=True)
+        if dev is not src and accelerator.is_accelerator(self.device):
+            accelerator.note(self.device, "h2d", flat.label)
+            flat._h2d_done = accelerator.new_event(self.device)
+            flat._h2d_done.record()
+        return dev.view(self.num_local, self.hidden).to(flat.compute_dtype)
 
     # -- token exchange -----------------------------------------------------------------------------------------------
     def max_tokens(self, n: int) -> int:
@@ -105,6 +114,24 @@ class VocabTable:
         return _CrossEntropy.apply(hidden, self.weight(), targets, self, chunk_tokens)
 
 
+class _RowsToDevice(torch.autograd.Function):
+    """cpu_offload, trainable table: the host rows copied to the device; the rows' gradient copied back to the host
+    segment (a blocking copy: AccumulateGrad reads it at once). The simulated GPU has no values to copy back: an
+    empty host buffer stands for them, as the reducer's host copies do."""
+
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+        ctx.host = (src.shape, src.dtype, src.device)
+        return src.to(device, non_blocking=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        shape, dtype, host = ctx.host
+        if accelerator.is_simulated(grad.device):
+            return accelerator.host_empty(grad.numel(), dtype, grad.device).view(shape), None
+        return grad.to(host, dtype), None
+
+
 class _Embed(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, table: VocabTable) -> torch.Tensor:
@@ -133,7 +160,8 @@ class _Embed(torch.autograd.Function):
         local, mine = ctx.saved_tensors
         grad_all = table.gather(grad.contiguous(), ctx.n_max)
         gw = grad.new_zeros((table.num_local, table.hidden))
-        gw.index_add_(0, local[mine], grad_all[mine])
+        if table.num_local:  # no boolean indexing: no device sync, and the simulated GPU (meta) runs it
+            gw.index_add_(0, local, grad_all.masked_fill_(~mine[:, None], 0))
         p = table.padding_idx
         if p is not None and 0 <= p - table.lo < table.num_local:
             gw[p - table.lo] = 0  # nn.Embedding(padding_idx=p): that row never trains
@@ -202,17 +230,15 @@ class _CrossEntropy(torch.autograd.Function):
             here = (local_t >= 0) & (local_t < k) & ~ignored
             logits = (h @ weight.t()).float()  # C x R: the only logits alive
             if k:
-                m_loc = logits.amax(dim=-1)
-                s_loc = (logits - m_loc[:, None]).exp().sum(dim=-1)
+                lse_loc = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, local_t.clamp(0, k - 1)[:, None]).squeeze(1).masked_fill(~here, 0.0)
-            else:  # this rank holds padding rows only
-                m_loc = torch.full((h.shape[0],), float("-inf"), device=h.device)
-                s_loc = picked = torch.zeros(h.shape[0], device=h.device)
-            stats = table.gather(torch.stack([m_loc, s_loc, picked]).t().contiguous(), h.shape[0])
-            stats = stats.view(table.world, h.shape[0], 3)
-            m = stats[..., 0].amax(dim=0)
-            lse = m + (stats[..., 1] * (stats[..., 0] - m).exp()).sum(dim=0).log()
-            loss = (lse - stats[..., 2].sum(dim=0)).masked_fill(ignored, 0.0)
+            else:  # this rank holds padding rows only: exp(-inf) = 0 of the sum
+                lse_loc = torch.full((h.shape[0],), float("-inf"), device=h.device)
+                picked = torch.zeros(h.shape[0], device=h.device)
+            # One all-gather of two numbers per token: the log-sum-exp over all rows is that of the local ones
+            stats = table.gather(torch.stack([lse_loc, picked], dim=1), h.shape[0]).view(table.world, h.shape[0], 2)
+            lse = torch.logsumexp(stats[..., 0], dim=0)
+            loss = (lse - stats[..., 1].sum(dim=0)).masked_fill(ignored, 0.0)
             a, b = max(mine_lo, start) - start, min(mine_hi, stop) - start
             if a < b:
                 total += loss[a:b].sum()
@@ -244,7 +270,7 @@ class _CrossEntropy(torch.autograd.Function):
             # trainer's scale (1 / the global batch's target count) is the same on every rank. Checked, one scalar.
             table = ctx.table
             scales = table.gather(grad_out.reshape(1).float(), 1)
-            if not bool((scales == scales[0]).all()):
+            if not accelerator.is_simulated(table.device) and not bool((scales == scales[0]).all()):  # meta: no values
                 raise RuntimeError("vocab-parallel loss: ranks backpropagated different scales into one loss; "
                                    "scale every rank's loss alike (or set engine.vocab_parallel=false)")
             grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))

@@ -75,11 +75,13 @@ def qlora_grid() -> list[Case]:
     transient of every matmul are what this table checks beyond the LoRA row of the default grid. torchao's
     whole-weight matmul (engine.nf4_tile_mb=0), the transient this table was built for; the tiled one is in
     VOCAB_GRID / VOCAB_SUBSET."""
-    return [Case(f"w{w} qlora {mp_} mb{mb} s{s}" + (" ckpt" if ck else ""), w,
+    return [Case(f"w{w} qlora {mp_} mb{mb} s{s}" + (" ckpt" if ck else "") + (" vp-off" if off else ""), w,
                  ("engine.strategy=full_shard", f"engine.mixed_precision={mp_}", f"train.micro_batch_size={mb}",
                   f"data.seq_len={s}", f"engine.activation_checkpointing={'true' if ck else 'false'}", *QLORA,
-                  "engine.nf4_tile_mb=0"))
-            for w, mp_, mb, s, ck in QLORA_GRID]
+                  "engine.nf4_tile_mb=0", *(("engine.vocab_parallel=false",) if off else ())))
+            for w, mp_, mb, s, ck in QLORA_GRID
+            # the rows at more than one rank run engine.vocab_parallel (the default); one keeps the gathered tables
+            for off in [w == 2 and mp_ == "fp32"]]
 
 
 # Demo recipes as shipped (tiny-llama, seq_len 128), kept apart from the grid above (and from other features' rows):
@@ -122,6 +124,8 @@ def demo_grid(subset: bool = False) -> list[Case]:
 VOCAB = 32000
 VOCAB_GRID = [  # world, precision, micro-batch, seq_len, loss_chunk_tokens, extra overrides (a label for the name)
     (1, "fp32", 8, 512, 0, ()), (1, "fp32", 8, 512, 1024, ()),
+    # 2 ranks: the old path (gathered tables, full logits) and the new defaults (vocab_parallel, chunked loss)
+    (2, "fp32", 8, 512, 0, ("vp-off", "engine.vocab_parallel=false")), (2, "fp32", 8, 512, 1024, ("vp",)),
     (2, "bf16", 4, 256, 0, ()), (2, "bf16", 4, 256, 1024, ()),
     (2, "fp32", 2, 256, 256, ("ckpt", "engine.activation_checkpointing=true")),
     (1, "bf16", 2, 512, 1024, ("lora", "lora.enabled=true", "lora.r=8")),

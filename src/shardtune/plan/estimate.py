@@ -69,6 +69,7 @@ class Setup:
     loss_chunk: int = 0  # train.loss_chunk_tokens (loss.py): tokens per chunk of the fused head + loss; 0: full logits
     nf4_tile_bytes: int = 0  # engine.nf4_tile_mb (engine/nf4_linear.py, our backend); 0: torchao's whole weight
     vocab_parallel: bool = False  # engine.vocab_parallel (engine/vocab.py, our backend): tables never gathered
+    split_tables: bool = False  # engine.vocab_parallel on FSDP2: the untied embedding and head are units of their own
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -84,7 +85,8 @@ class Setup:
                    # DPO's log-probs take the full logits (dpo.py): the chunked loss is SFT's
                    loss_chunk=r.train.loss_chunk_tokens if r.train.objective == "sft" else 0,
                    nf4_tile_bytes=int(e.nf4_tile_mb * (1 << 20)) if e.backend == "shardtune" else 0,
-                   vocab_parallel=e.vocab_parallel and e.backend == "shardtune" and not e.cpu_offload)
+                   vocab_parallel=e.vocab_parallel and e.backend == "shardtune",
+                   split_tables=e.vocab_parallel and e.backend == "torch")
 
     @property
     def shard_size(self) -> int:
@@ -196,14 +198,15 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
     Vocab-parallel (`vocab_rows` R = ceil(V/W) local rows, engine/vocab.py): the chunks run over the W·b·s gathered
     tokens against R rows; the gathered hidden states and their gradient (2·W·b·s·H) live during the loop, the
     rank's own grad_h (b·s·H) and the local rows' gradient (R·H) after it. Without chunking: the local logits of all
-    gathered tokens and the all-to-all's output (each ~b·s·V) before the old path's tensors."""
+    gathered tokens and the all-to-all's output (each ~b·s·V), freed before the old path's fp32 tensors peak."""
     d, c = stats.dims, _size(s.compute)
     V, tokens = d.vocab, s.micro_batch * s.seq_len
     if vocab_rows:
         W = s.shard_size
         full_fwd, full_bwd = loss_bytes(stats, s, head_trains)
-        if not s.loss_chunk:
-            return full_fwd + 2 * W * tokens * vocab_rows * c, full_bwd + 2 * W * tokens * vocab_rows * c
+        if not s.loss_chunk:  # measured: the all-to-all's buffers are gone before the old path's forward peak;
+            # its backward holds the logits' gradient, its padded copy and the all-to-all's two buffers (b·s·V each)
+            return full_fwd, max(full_bwd, 4 * tokens * V * c)
         G = W * tokens
         C = min(s.loss_chunk, G)
         grads = tokens * d.hidden * c + (vocab_rows * d.hidden * c if head_trains else 0)
@@ -228,7 +231,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     c = _size(s.compute)
     W = s.shard_size
     base_dtype = s.compute if s.lora else DTYPES[stats.recipe.model.dtype]
-    vp = s.vocab_parallel and W > 1 and s.strategy != "no_shard" and not s.offload  # parallelize.vocab_parallel
+    vp = s.vocab_parallel and W > 1 and s.strategy != "no_shard"  # parallelize.vocab_parallel
     units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora, vocab_parallel=vp)
     *blocks, root = units
     aliased = W == 1
@@ -286,10 +289,17 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     # Gathered units held at the end of forward.
     unit_g = [gathered(u) for u in blocks]
     big = max(unit_g, default=0)
-    if s.strategy in ("shard_grad_op", "no_shard"):
-        held_fwd = gathered(root) + sum(unit_g)
+    if s.split_tables and W > 1 and s.strategy != "no_shard" and not stats.tied_tables():
+        # FSDP2 (torch_backend.table_units): the embedding is its own unit, freed after its forward (full_shard);
+        # the head's unit stays gathered like the root, so the root's held buffer is one V x H table smaller
+        emb_table = d.vocab * d.hidden * c if s.strategy != "shard_grad_op" else 0
+        root_held = gathered(root) - emb_table
     else:
-        held_fwd = gathered(root) + (unit_g[-1] if unit_g else 0)
+        root_held = gathered(root)
+    if s.strategy in ("shard_grad_op", "no_shard"):
+        held_fwd = root_held + sum(unit_g)
+    else:
+        held_fwd = root_held + (unit_g[-1] if unit_g else 0)
     offload_copy = 0
     if s.offload and not s.device_is_cpu:
         # H2D copies of a decoder unit's shards before its all-gather (current + prefetched). Not the root's: it is
@@ -330,7 +340,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     head_grad = (vocab_rows * d.hidden * c if vocab_train else 0) if vp else \
         (d.vocab * d.hidden * c if root.trainable is not None else 0)
     prefetch_g = big if s.prefetch and s.strategy not in ("shard_grad_op", "no_shard") else 0
-    held_bwd = held_fwd if s.strategy in ("shard_grad_op", "no_shard") else gathered(root) + big + prefetch_g
+    held_bwd = held_fwd if s.strategy in ("shard_grad_op", "no_shard") else root_held + big + prefetch_g
 
     # Backward of unit i (inside its MLP backward): the activations saved by units 0..i-1, unit i's own set (saved,
     # or recomputed on top of its saved input), the sharded grads of every later unit. Without checkpointing the
@@ -340,6 +350,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     # LoRA on more than one rank: the adapters' gradient bucket (engine/replicated.py `pending`, fp32, all adapters)
     # is allocated at the first adapter gradient, in the last unit's backward, and lives until the end of backward.
     bucket = 4 * lora_p if s.world > 1 else 0
+    if s.world > W:  # hybrid: a trainable table's row gradients pend for the replica all-reduce the same way
+        bucket += 4 * vocab_train
     unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
 
     overlap = s.backward_schedule == "overlap"
@@ -355,7 +367,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
             held = held_fwd
         else:
             ahead = i and s.prefetch and (overlap or not flight)
-            held = gathered(root) + unit_g[i] + (unit_g[i - 1] if ahead else 0)
+            held = root_held + unit_g[i] + (unit_g[i - 1] if ahead else 0)
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
                 + flight,
                 "gathered": held + offload_copy + nf4_extra,

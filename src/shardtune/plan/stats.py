@@ -94,6 +94,12 @@ class ModelStats:
                     p.requires_grad_(grad)
         return self._layouts[key]
 
+    def tied_tables(self) -> bool:
+        """The embedding and the head share one weight (gemma, qwen3, tiny-qwen2)."""
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        return emb is not None and head is not None and emb.weight is head.weight
+
     def lora_params(self) -> int:
         """Adapter params peft would add: r·(in + out) per targeted Linear (matched by the module name's last part)."""
         lora = self.recipe.lora
