@@ -1,12 +1,12 @@
 """engine.vocab_parallel: the embedding and head sharded by vocabulary rows, never gathered (engine/vocab.py).
 
-8 steps of full fine-tuning, LoRA and QLoRA on 2 and 4 ranks (full_shard, and hybrid 2 x 2), Llama (untied, with a
-padding_idx), Qwen2 and Qwen3 (tied embedding and head), all with a 131-token vocabulary that no world size divides,
-equal one process on the old path (full fp32 logits, gathered tables, torchao's whole-weight NF4) per step within
-1e-5 relative; then the chunked eval loss, the full-logits path (all-to-all) and its gradient, full_state_dict
-against the reference, and a DCP checkpoint (one entry per original parameter) that loads into the gathered-table
-layout (vocab_parallel off) with the same weights and AdamW state; FSDP2 with the embedding and head
-as units of their own; and the offload path. One spawn per world size.
+8 steps of full fine-tuning, LoRA and QLoRA on 2 and 4 ranks (full_shard, and hybrid 2 x 2; Qwen2 at 4 ranks:
+hybrid), Llama (untied, with a padding_idx), Qwen2 and Qwen3 (tied embedding and head), all with a 131-token
+vocabulary that no world size divides, equal one process on the old path (full fp32 logits, gathered tables,
+torchao's whole-weight NF4) per step within 1e-5 relative. Then the chunked eval loss, the full-logits path
+(all-to-all) and its gradient, full_state_dict against the reference, and a DCP checkpoint (one entry per original
+parameter) that loads into the gathered-table layout (vocab_parallel off) with the same weights and AdamW state.
+Also FSDP2 with the embedding and head as units of their own, and the offload path. One spawn per world size.
 """
 from __future__ import annotations
 
@@ -213,4 +213,5 @@ def test_vocab_parallel_two_ranks():
 def test_vocab_parallel_four_ranks():
     settings = [{"name": n, "mode": m, "strategy": s} for n in ("tiny-llama", "tiny-qwen3")
                 for m in ("full", "lora", "qlora") for s in ("full_shard", "hybrid_shard")]
+    settings += [{"name": "tiny-qwen2", "mode": m, "strategy": "hybrid_shard"} for m in ("full", "lora", "qlora")]
     run_distributed(_parity, 4, settings)

@@ -177,6 +177,8 @@ class Candidate:
             parts.append(f"train.loss_chunk_tokens={s.loss_chunk}")
         if s.nf4 and s.nf4_tile_bytes and s.nf4_tile_bytes != int(self.plan.recipe.engine.nf4_tile_mb * (1 << 20)):
             parts.append(f"engine.nf4_tile_mb={s.nf4_tile_bytes / (1 << 20):g}")
+        if s.vocab_parallel != (self.plan.recipe.engine.vocab_parallel and self.plan.recipe.engine.backend == "shardtune"):
+            parts.append(f"engine.vocab_parallel={'true' if s.vocab_parallel else 'false'}")
         return " ".join(parts)
 
 
@@ -200,12 +202,14 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
         else [s.loss_chunk]
     tiles = sorted({s.nf4_tile_bytes, s.nf4_tile_bytes or DEFAULT_NF4_TILE}) if plan.recipe.engine.backend == "shardtune" \
         else [0]
+    # engine.vocab_parallel (our backend): the recipe's setting, and on when it is off
+    vps = sorted({s.vocab_parallel, plan.recipe.engine.backend == "shardtune" or s.vocab_parallel})
     out = []
-    for strategy, sched, ck, off, m, (lo, q), chunk, tile in itertools.product(
-            strategies, schedules, (False, True), (False, True), micro, loras, chunks, tiles):
+    for strategy, sched, ck, off, m, (lo, q), chunk, tile, vp in itertools.product(
+            strategies, schedules, (False, True), (False, True), micro, loras, chunks, tiles, vps):
         setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off, micro_batch=m,
                                     grad_accum=per_rank_batch // m, lora=lo, nf4=q, loss_chunk=chunk,
-                                    nf4_tile_bytes=tile, backward_schedule=sched)
+                                    nf4_tile_bytes=tile, backward_schedule=sched, vocab_parallel=vp)
         p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
         if p.fits:
             out.append(Candidate(p, step_time(p)))
@@ -217,4 +221,5 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                                       -c.plan.setup.micro_batch, c.plan.setup.strategy != s.strategy,
                                       c.plan.setup.backward_schedule != s.backward_schedule,
                                       c.plan.setup.loss_chunk != s.loss_chunk,
-                                      c.plan.setup.nf4_tile_bytes != s.nf4_tile_bytes))
+                                      c.plan.setup.nf4_tile_bytes != s.nf4_tile_bytes,
+                                      c.plan.setup.vocab_parallel != s.vocab_parallel))
