@@ -125,9 +125,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         # Scaled in place: a copy of grad_W would be one more V*H. (A second backward through this graph would
         # need retain_graph, and would scale twice: the trainer never does that.)
-        grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype)).to(ctx.hidden_dtype)
-        if grad_w is not None:
-            grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))
-        return grad_h, grad_w, None, None
+        return (*scale_saved_grads(*ctx.saved_tensors, grad_out, ctx.hidden_dtype), None, None)
+
+
+def scale_saved_grads(grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, grad_out: torch.Tensor,
+                      hidden_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients a fused loss formed in forward (for a loss of 1), scaled in place by the incoming scalar; grad_h
+    back in the hidden states' dtype. Also engine/vocab.py's."""
+    if grad_h is not None:
+        grad_h = grad_h.mul_(grad_out.to(grad_h.dtype)).to(hidden_dtype)
+    if grad_w is not None:
+        grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))
+    return grad_h, grad_w

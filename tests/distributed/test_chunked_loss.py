@@ -25,19 +25,21 @@ CHUNK = 5  # tokens per chunk: does not divide a rank's 2*16 tokens
 TILE = 4096  # bytes per NF4 tile: 8 of tiny-llama's 128 x 128 fp32 rows, so every weight takes several tiles
 
 
-def _model(name: str, mode: str):
-    model = build_model(name)
+def _model(name: str, mode: str, build=build_model):
+    """The named tiny model; LoRA (seed 1) unless full fine-tuning."""
+    model = build(name)
     if mode != "full":
         torch.manual_seed(1)
         apply_lora(model, LORA)
     return model
 
 
-def _steps(model, sharded, opt, *, chunk: int) -> list[float]:
+def _steps(model, sharded, opt, *, chunk: int, batch=global_batch) -> list[float]:
+    """NUM_STEPS steps of the sum CE / global target tokens on this rank's slice of `batch(step)`."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded is not None else (0, 1)
     losses = []
     for step in range(NUM_STEPS):
-        ids, labels = global_batch(step)
+        ids, labels = batch(step)
         total = num_targets(labels)
         ids, labels = ids.chunk(world)[rank], labels.chunk(world)[rank]
         pos = torch.arange(ids.shape[1]).expand_as(ids)
@@ -60,11 +62,16 @@ def _reference(name: str, mode: str) -> list[float]:
     """One process, today's path: full logits, torchao's whole-weight NF4 matmul for QLoRA."""
     model = _model(name, mode)
     if mode == "qlora":
-        for _, m in block_linears(model):
-            w = reference_nf4(m.weight)
-            del m._parameters["weight"]
-            m.weight = w
+        nf4_reference_weights(model)
     return _steps(model, None, adamw(model), chunk=0)
+
+
+def nf4_reference_weights(model) -> None:
+    """The blocks' Linear weights as torchao NF4Tensors: the single-process QLoRA reference (whole-weight matmul)."""
+    for _, m in block_linears(model):
+        w = reference_nf4(m.weight)
+        del m._parameters["weight"]
+        m.weight = w
 
 
 def _parity(name: str, mode: str, backend: str, strategy: str = "full_shard", tile: int = 0) -> None:

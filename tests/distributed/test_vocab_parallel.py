@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from tests.distributed.common import adamw, global_batch, num_targets, policy_for
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_lora import LORA
-from tests.distributed.test_qlora import block_linears, reference_nf4
+from tests.distributed.test_chunked_loss import NUM_STEPS, nf4_reference_weights
+from tests.distributed.test_chunked_loss import _model as chunked_model
+from tests.distributed.test_chunked_loss import _steps as chunked_steps
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.bundled import CONFIGS_DIR
 from shardtune.engine import shard as shardtune_backend
-from shardtune.lora import apply_lora, is_adapter
+from shardtune.lora import is_adapter
 from shardtune.loss import token_loss_sum
 
-NUM_STEPS = 8
 CHUNK = 5  # tokens per chunk: divides neither a rank's tokens nor the gathered ones
 VOCAB = 131  # prime: 2 and 4 ranks both pad the tables (33 rows per rank at 4: the last rank holds 32)
 
@@ -46,11 +46,7 @@ def build(name: str) -> torch.nn.Module:
 
 
 def _model(name: str, mode: str):
-    model = build(name)
-    if mode != "full":
-        torch.manual_seed(1)
-        apply_lora(model, LORA)
-    return model
+    return chunked_model(name, mode, build=build)
 
 
 def _batch(step: int, world: int, rank: int):
@@ -61,22 +57,7 @@ def _batch(step: int, world: int, rank: int):
 
 
 def _steps(model, sharded, opt, *, chunk: int) -> list[float]:
-    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded is not None else (0, 1)
-    losses = []
-    for step in range(NUM_STEPS):
-        ids, labels, pos, total = _batch(step, world, rank)
-        loss = token_loss_sum(model, ids, labels, pos, chunk_tokens=chunk) / total
-        loss.backward()
-        loss = loss.detach()
-        if sharded is not None:
-            dist.all_reduce(loss)
-            sharded.clip_grad_norm_(1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    return losses
+    return chunked_steps(model, sharded, opt, chunk=chunk, batch=functools.partial(global_batch, vocab=VOCAB))
 
 
 @functools.cache
@@ -84,10 +65,7 @@ def _reference(name: str, mode: str):
     """One process, the old path: full logits, whole tables, torchao's whole-weight NF4 matmul for QLoRA."""
     model = _model(name, mode)
     if mode == "qlora":
-        for _, m in block_linears(model):
-            w = reference_nf4(m.weight)
-            del m._parameters["weight"]
-            m.weight = w
+        nf4_reference_weights(model)
     losses = _steps(model, None, adamw(model), chunk=0)
     return model, losses
 

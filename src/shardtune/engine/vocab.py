@@ -262,9 +262,9 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        from shardtune.loss import scale_saved_grads
+
         grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype)).to(ctx.hidden_dtype)
         if grad_w is not None:
             # The local rows' gradient sums every rank's tokens, each rank's loss scaled by its own grad_out: the
             # trainer's scale (1 / the global batch's target count) is the same on every rank. Checked, one scalar.
@@ -273,8 +273,7 @@ class _CrossEntropy(torch.autograd.Function):
             if not accelerator.is_simulated(table.device) and not bool((scales == scales[0]).all()):  # meta: no values
                 raise RuntimeError("vocab-parallel loss: ranks backpropagated different scales into one loss; "
                                    "scale every rank's loss alike (or set engine.vocab_parallel=false)")
-            grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None
+        return (*scale_saved_grads(grad_h, grad_w, grad_out, ctx.hidden_dtype), None, None, None)
 
 
 def install(table: VocabTable, embedding: nn.Module | None, head: nn.Module | None) -> None:
