@@ -111,7 +111,7 @@ def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> Non
     for dtype_name in a.dtypes.split(","):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
         runs = {b: build(a, b, dtype) for b in BACKENDS}
-        nparams = sum(n for p in runs["shardtune"][1].padded_numels() for n in p)
+        nparams = sum(f.numel for u in runs["shardtune"][1].units for f in u.flats)  # vocab tables included
         times: dict[str, list[float]] = {b: [] for b in BACKENDS}
         losses: dict[str, list[float]] = {b: [] for b in BACKENDS}
         comm = 0

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shardtune import accelerator
 from shardtune.config import Recipe
 from shardtune.data import GlobalBatches, TokenizedData
 from shardtune.data.batches import MicroBatch
@@ -196,7 +197,7 @@ class DpoObjective(SftObjective):
         total = torch.zeros(len(self.STATS), dtype=torch.float64)
         for idx, weight in _rank_chunks(n, b, rt):
             mb = self.eval_pairs.micro_batch(idx).to(rt.device)
-            total += weight * _sums(self._pair_out(model, mb, "eval")).cpu()
+            total += weight * accelerator.to_host(_sums(self._pair_out(model, mb, "eval")))  # simulated: zeros
         model.train(was_training)
         sums = all_reduce_sum(total.tolist(), rt.device)
         out = {f"eval_{k}": v / n for k, v in zip(self.STATS, sums)}
@@ -230,14 +231,14 @@ def _precompute(model: nn.Module, rows: PairRows, rt: Runtime, b: int) -> np.nda
         mb = rows.micro_batch(idx).to(rt.device)
         logps, _ = sequence_logps(model, mb.input_ids, mb.labels, mb.position_ids)
         if weight:
-            table[torch.from_numpy(idx)] = logps.view(2, -1).t().double().cpu()
+            table[torch.from_numpy(idx)] = accelerator.to_host(logps.view(2, -1).t().double())
     model.train(was_training)
     if rt.world_size > 1:  # each pair was computed by exactly one rank
         import torch.distributed as dist
 
         t = table.to(rt.device)
         dist.all_reduce(t)
-        table = t.cpu()
+        table = accelerator.to_host(t)
     return table.numpy()
 
 

@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(("recipe", "overrides", "world", "min_peak"), [
     ("recipes/hardware/llama-3.1-8b-lora-1x24gb.yaml", [], 1, 8.0e9 * 2),  # above the bf16 base alone
     ("recipes/tiny-lora-cpu.yaml", ["launch.device=cuda", "hardware.gpu=rtx4090-24gb"], 2, 1e6),
+    # DPO: the held-out eval at DPO's start reads its sums through accelerator.to_host (zeros when simulated)
+    ("recipes/hardware/llama-3.1-8b-dpo-lora-1x24gb.yaml", [], 1, 8.0e9 * 2),
 ])
 def test_simulated_step_agrees_with_the_plan(recipe: str, overrides: list[str], world: int, min_peak: float) -> None:
     out = cli("plan", recipe, *overrides, "--simulate", "--json", cwd=REPO, timeout=300)
