@@ -40,6 +40,7 @@ def main(argv: list[str]) -> int:
         os.environ["TORCH_CPP_LOG_LEVEL"] = user_level
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
     _silence_process_logs()
@@ -54,6 +55,13 @@ def main(argv: list[str]) -> int:
         return 1
     except SignalException as e:  # stopped from outside (the launcher forwards SIGTERM): the workers report
         return 128 + int(e.sigval)
+    except RendezvousConnectionError:
+        # Multi-node: the agent hosting the rendezvous store (the first node's) has ended, typically right after a
+        # worker died there and its launcher printed the job's one line. torch's agent stopped this node's workers
+        # on the way out; without this, its traceback lands in the job log (seen once in the SLURM kill test).
+        print("shardtune: this node's workers were stopped: the job's rendezvous host (the first node's launcher) "
+              "ended first; its line in the job log says why", file=sys.stderr)
+        return 1
     return 0
 
 

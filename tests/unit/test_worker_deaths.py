@@ -57,3 +57,22 @@ def test_the_real_failure_is_named_when_a_peer_lost_it_in_the_same_second(tmp_pa
     write_log(tmp_path, 1, "Traceback (most recent call last):\nKeyError: 'x'\n")
     code, line = describe([failure(0, 1), failure(1, 1)], tmp_path, 2)
     assert code == 1 and line.startswith("rank 1 on node7 failed with an internal error"), line
+
+
+def test_the_agent_ends_in_one_line_when_the_rendezvous_host_is_gone(tmp_path, monkeypatch, capsys):
+    """Multi-node: the first node's agent (the rendezvous store's host) ends right after a worker died there; the
+    other node's agent then fails to reach the store. It stops its workers (torch's agent does, on the way out) and
+    says so in one line, without a traceback in the job log."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from shardtune import agent
+
+    def lost(_args):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr(torchrun, "run", lost)
+    code = agent.main([str(tmp_path / "failures.json"), "--nproc-per-node=1", "--standalone", "-m", "shardtune.worker"])
+    err = capsys.readouterr().err
+    assert code == 1 and not (tmp_path / "failures.json").exists()
+    assert err.count("\n") == 1 and "rendezvous host" in err and "Traceback" not in err
