@@ -63,26 +63,8 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
         replicated=(lambda name, p: is_adapter(name)) if lora else None,
         quantize_base=quantize_base == "nf4",
         nf4_tile_bytes=int(engine.nf4_tile_mb * (1 << 20)) if quantize_base == "nf4" else 0,
-        vocab_parallel=vocab_parallel(engine, world_size, local_world_size),
+        vocab_parallel=engine.vocab_parallel,  # each backend applies it only with a shard group of 2+ ranks
     )
-
-
-def vocab_parallel(engine: EngineConfig, world_size: int, local_world_size: int) -> bool:
-    """engine.vocab_parallel where it applies: a shard group of more than one rank."""
-    if not engine.vocab_parallel or shard_group_size(engine, world_size, local_world_size) < 2:
-        return False
-    if engine.backend == "torch":
-        return True  # FSDP2: the embedding and the head become units of their own (torch_backend.table_units)
-    return True
-
-
-def shard_group_size(engine: EngineConfig, world_size: int, local_world_size: int) -> int:
-    """Ranks that share one copy of the sharded states (shard.build_groups' shard group)."""
-    if engine.strategy == "no_shard":
-        return 1
-    if engine.strategy == "hybrid_shard":
-        return engine.hybrid_shard_size or local_world_size
-    return world_size
 
 
 def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world_size: int) -> ShardedModel:

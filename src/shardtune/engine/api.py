@@ -65,8 +65,8 @@ class ShardingPolicy:
     # whole-weight linear_nf4.
     nf4_tile_bytes: int = 0
     # Our backend: the embedding and head tables sharded by vocabulary rows over the shard group and never gathered
-    # (engine/vocab.py). FSDP2: the (untied) embedding and head become units of their own. Only with a shard group
-    # of more than one rank.
+    # (engine/vocab.py). FSDP2: the (untied) embedding and head become units of their own. Each backend applies it
+    # only with a shard group of more than one rank.
     vocab_parallel: bool = False
 
 

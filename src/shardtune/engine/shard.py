@@ -7,6 +7,7 @@ Process groups per strategy (W ranks):
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -181,6 +182,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     shard_group, replicate_group = build_groups(policy.strategy, policy.hybrid_shard_size)
     shard_size = group_size(shard_group)
     shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
+    if policy.vocab_parallel and shard_size < 2:  # one copy per rank (world 1, no_shard): nothing to split by rows
+        policy = dataclasses.replace(policy, vocab_parallel=False)
     ctx = EngineContext(strategy=policy.strategy, shard_group=shard_group, replicate_group=replicate_group,
                         reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch, device=device,
                         backward_schedule=policy.backward_schedule)

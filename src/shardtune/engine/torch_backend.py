@@ -99,7 +99,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     # As torchtitan does: the embedding and the head are units of their own (when untied), so the root's gathered
     # buffer never holds both V x H tables. The embedding is freed after its forward (and re-gathered for its
     # backward when it trains); the head is the first unit backward needs, so it stays gathered (reshard=False).
-    emb, head = table_units(module) if policy.vocab_parallel else (None, None)
+    emb, head = table_units(module) if policy.vocab_parallel and mesh.size(-1) > 1 else (None, None)
     if emb is not None:
         fully_shard(emb, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     for unit in units:

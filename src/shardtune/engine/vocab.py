@@ -222,8 +222,9 @@ class _CrossEntropy(torch.autograd.Function):
         grad_h_all = torch.empty_like(h_all) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
         k = table.num_local
-        for start in range(0, h_all.shape[0], chunk_tokens if chunk_tokens > 0 else h_all.shape[0]):
-            stop = min(start + (chunk_tokens if chunk_tokens > 0 else h_all.shape[0]), h_all.shape[0])
+        chunk = chunk_tokens if chunk_tokens > 0 else max(1, h_all.shape[0])
+        for start in range(0, h_all.shape[0], chunk):
+            stop = min(start + chunk, h_all.shape[0])
             h, t = h_all[start:stop], t_all[start:stop]
             ignored = t == IGNORE
             local_t = t - table.lo

@@ -231,7 +231,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     c = _size(s.compute)
     W = s.shard_size
     base_dtype = s.compute if s.lora else DTYPES[stats.recipe.model.dtype]
-    vp = s.vocab_parallel and W > 1 and s.strategy != "no_shard"  # parallelize.vocab_parallel
+    vp = s.vocab_parallel and W > 1  # as shard.shard_model: only with a shard group of 2+ ranks
     units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora, vocab_parallel=vp)
     *blocks, root = units
     aliased = W == 1
@@ -289,7 +289,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     # Gathered units held at the end of forward.
     unit_g = [gathered(u) for u in blocks]
     big = max(unit_g, default=0)
-    if s.split_tables and W > 1 and s.strategy != "no_shard" and not stats.tied_tables():
+    if s.split_tables and W > 1 and not stats.tied_tables():
         # FSDP2 (torch_backend.table_units): the embedding is its own unit, freed after its forward (full_shard);
         # the head's unit stays gathered like the root, so the root's held buffer is one V x H table smaller
         emb_table = d.vocab * d.hidden * c if s.strategy != "shard_grad_op" else 0
