@@ -64,6 +64,7 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
         quantize_base=quantize_base == "nf4",
         nf4_tile_bytes=int(engine.nf4_tile_mb * (1 << 20)) if quantize_base == "nf4" else 0,
         vocab_parallel=engine.vocab_parallel,  # each backend applies it only with a shard group of 2+ ranks
+        shard_replicated_states=engine.shard_adapter_states,
     )
 
 

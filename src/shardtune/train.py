@@ -173,7 +173,9 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     for i, mb in enumerate(micro_batches):
         mb = mb.to(rt.device)
         # Reduce gradients on every micro-step, or only on the last one (unsharded grads kept meanwhile).
-        run.sharded.set_requires_gradient_sync(run.recipe.engine.sync_every_microstep or i == len(micro_batches) - 1)
+        last = i == len(micro_batches) - 1
+        run.sharded.set_requires_gradient_sync(run.recipe.engine.sync_every_microstep or last)
+        run.sharded.set_requires_all_reduce(last)  # adapters: summed over ranks once per step
         # Divided by the global batch's target count (DPO: pair count): the sum over ranks and micro-steps is the
         # global mean loss.
         loss, mb_stats = run.objective.micro_loss(run.model, mb, norm)

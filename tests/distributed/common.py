@@ -60,9 +60,11 @@ def adamw(groups_or_model, weight_decay: float = 0.1) -> torch.optim.AdamW:
 
 
 def train_step(model: nn.Module, sharded, opt, step: int, *, accum: int, sync_each: bool,
-               max_grad_norm: float = 1.0, before_step=None, device: str = "cpu") -> tuple[float, torch.Tensor]:
+               max_grad_norm: float = 1.0, before_step=None, device: str = "cpu", all_reduce_once: bool = False,
+               between_micro_steps=None) -> tuple[float, torch.Tensor]:
     """One optimizer step over the global batch; this rank takes its slice of each micro-batch.
-    Loss per micro-batch = sum CE / global target tokens, so summed gradients equal the single-process ones."""
+    Loss per micro-batch = sum CE / global target tokens, so summed gradients equal the single-process ones.
+    `all_reduce_once`: replicated grads (adapters) reduced on the last micro-step only, as the trainer does."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded is not None else (0, 1)
     ids, labels = global_batch(step)
     total = num_targets(labels)
@@ -71,9 +73,13 @@ def train_step(model: nn.Module, sharded, opt, step: int, *, accum: int, sync_ea
         mi, ml = mi.chunk(world)[rank].to(device), ml.chunk(world)[rank].to(device)
         if sharded is not None:
             sharded.set_requires_gradient_sync(sync_each or m == accum - 1)
+            if all_reduce_once:
+                sharded.set_requires_all_reduce(m == accum - 1)
         loss = token_loss_sum(model, mi, ml) / total
         loss.backward()
         loss_sum += loss.detach()
+        if between_micro_steps is not None and m < accum - 1:
+            between_micro_steps()
     if sharded is not None:
         dist.all_reduce(loss_sum)
         norm = sharded.clip_grad_norm_(max_grad_norm)

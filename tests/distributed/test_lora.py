@@ -30,11 +30,12 @@ def lora_model(seed: int = 0):
     return apply_lora(model, LORA)
 
 
-def lora_policy(model, *, strategy: str = "full_shard", param_dtype=torch.float32) -> ShardingPolicy:
+def lora_policy(model, *, strategy: str = "full_shard", param_dtype=torch.float32,
+                shard_states: bool = False) -> ShardingPolicy:
     return ShardingPolicy(strategy=ShardingStrategy(strategy), unit_classes=resolve_unit_classes(model, "auto"),
                           mixed_precision=MixedPrecision(param_dtype=param_dtype),
                           hybrid_shard_size=2 if strategy == "hybrid_shard" else None,
-                          replicated=lambda name, p: is_adapter(name))
+                          replicated=lambda name, p: is_adapter(name), shard_replicated_states=shard_states)
 
 
 def ring(numel: int, elem: int, world: int) -> int:
@@ -48,33 +49,57 @@ def _reference(accum: int):
     return out, {n: p.detach().clone() for n, p in ref.named_parameters() if is_adapter(n)}
 
 
-def _parity(strategy: str, accum: int, sync_each: bool) -> None:
+def _parity(strategy: str, accum: int, sync_each: bool, shard_states: bool = False, once: bool = False) -> None:
+    """`shard_states`: each rank steps its own run of the adapters (reduce-scatter, step, all-gather). `once`: the
+    trainer's way, adapters reduced on the last micro-step only, no adapter .grad held between micro-steps."""
     world = dist.get_world_size()
     ref_steps, ref_adapters = _reference(accum)
     model = lora_model()
-    sharded = shard_model(model, lora_policy(model, strategy=strategy), device=torch.device("cpu"))
+    sharded = shard_model(model, lora_policy(model, strategy=strategy, shard_states=shard_states),
+                          device=torch.device("cpu"))
     groups = sharded.optimizer_param_groups(0.1)
     adapters = {n: p for n, p in model.named_parameters() if is_adapter(n)}
-    # The optimizer steps exactly the adapters, whole; the base is frozen: no segments, no shard grads.
-    assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in adapters.values()}
+    n_adapters = sum(p.numel() for p in adapters.values())
+    stepped = [p for g in groups for p in g["params"]]
+    if shard_states:  # a contiguous run of the adapters per rank, balanced: within one adapter of N/W
+        runs = [None] * world
+        dist.all_gather_object(runs, [n for n, p in adapters.items() if any(p is q for q in stepped)])
+        assert [n for r in runs for n in r] == list(adapters), "every adapter stepped by exactly one rank, in order"
+        largest = max(p.numel() for p in adapters.values())
+        assert abs(sum(p.numel() for p in stepped) - n_adapters / world) <= largest
+    else:  # the optimizer steps exactly the adapters, whole
+        assert {id(p) for p in stepped} == {id(p) for p in adapters.values()}
+    # The base is frozen: no segments, no shard grads.
     assert all(not f.requires_grad and not f.segments for u in sharded.units for f in u.flats)
     opt = adamw(groups)
+
+    def no_adapter_grads() -> None:  # between micro-steps the local sums wait in the bucket, not in .grad
+        assert all(p.grad is None for p in adapters.values())
+
     for step in range(NUM_STEPS):
         before = sharded.comm_bytes()
-        loss, norm = train_step(model, sharded, opt, step, accum=accum, sync_each=sync_each)
+        loss, norm = train_step(model, sharded, opt, step, accum=accum, sync_each=sync_each, all_reduce_once=once,
+                                between_micro_steps=no_adapter_grads if once or not sync_each else None)
         ref_loss, ref_norm = ref_steps[step]
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (step, loss, ref_loss)
         torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=1e-7)
         if step == 0 and strategy == "full_shard":
-            # Per micro-step: all-gathers only (forward; backward re-gather but the last unit); per synced
-            # backward: one fp32 all-reduce of all adapters; the clip scalar. No reduce-scatter at all.
+            # Per micro-step: all-gathers only (forward; backward re-gather but the last unit). Per adapter reduction:
+            # one fp32 all-reduce of all adapters, or (sharded) a reduce-scatter of the padded bucket, then one
+            # all-gather of it after the optimizer step. The clip's scalar (sharded: one more). No other reduce.
             numels = [sum(f) for f in sharded.padded_numels()]
             *blocks, root = numels
             gathers = sum(2 * ring(n, 4, world) for n in blocks[:-1]) + ring(blocks[-1], 4, world) + ring(root, 4, world)
-            syncs = accum if sync_each else 1
-            n_adapters = sum(p.numel() for p in adapters.values())
-            expect = accum * gathers + syncs * 2 * ring(n_adapters, 4, world) + 2 * ring(1, 4, world)
+            syncs = accum if sync_each and not once else 1
+            if shard_states:
+                bucket = sharded.ctx.replicated.bucket_numel
+                adapter_bytes = syncs * ring(bucket, 4, world) + ring(bucket, 4, world) + 4 * ring(1, 4, world)
+            else:
+                adapter_bytes = syncs * 2 * ring(n_adapters, 4, world) + 2 * ring(1, 4, world)
+            expect = accum * gathers + adapter_bytes
             assert sharded.comm_bytes() - before == expect, (sharded.comm_bytes() - before, expect)
+        if shard_states:  # AdamW state for this rank's run only
+            assert {id(p) for p in opt.state} == {id(p) for p in stepped}
     for n, p in adapters.items():
         torch.testing.assert_close(p.detach(), ref_adapters[n], rtol=1e-4, atol=1e-6)
         gathered = [torch.empty_like(p) for _ in range(world)]
@@ -154,6 +179,10 @@ def test_lora_2_ranks() -> None:
             dict(kind="parity", strategy="full_shard", accum=2, sync_each=True),
             dict(kind="parity", strategy="full_shard", accum=2, sync_each=False),
             dict(kind="parity", strategy="no_shard", accum=1, sync_each=True),
+            dict(kind="parity", strategy="full_shard", accum=2, sync_each=True, once=True),
+            dict(kind="parity", strategy="full_shard", accum=2, sync_each=True, shard_states=True),
+            dict(kind="parity", strategy="full_shard", accum=2, sync_each=True, shard_states=True, once=True),
+            dict(kind="parity", strategy="no_shard", accum=2, sync_each=False, shard_states=True),
             dict(kind="early"),
             dict(kind="bf16"),
             dict(kind="final", out_dir=tmp),
@@ -162,4 +191,8 @@ def test_lora_2_ranks() -> None:
 
 def test_lora_4_ranks() -> None:
     run_distributed(_all, 4, [dict(kind="parity", strategy="full_shard", accum=2, sync_each=False),
-                              dict(kind="parity", strategy="hybrid_shard", accum=1, sync_each=True)])
+                              dict(kind="parity", strategy="hybrid_shard", accum=1, sync_each=True),
+                              dict(kind="parity", strategy="full_shard", accum=2, sync_each=True, shard_states=True,
+                                   once=True),
+                              dict(kind="parity", strategy="hybrid_shard", accum=2, sync_each=True,
+                                   shard_states=True, once=True)])

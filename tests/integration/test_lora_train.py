@@ -146,3 +146,28 @@ def test_generate_on_an_adapter_and_a_checkpoint(reference, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.splitlines() == expected, (target, proc.stdout, expected)
         assert "warning" not in proc.stderr, proc.stderr
+
+
+def test_sharded_adapter_states_resume_on_one_worker(tmp_path):
+    """engine.shard_adapter_states (the default): each of 2 workers steps and saves the AdamW state of its own half of
+    the adapters. The checkpoint holds every adapter's state, and 1 worker (micro-batch doubled: the same global
+    batch) resumes from it with the 2-worker run's losses (fp32 compute, so the two worlds agree to 1e-5)."""
+    run_dir = tmp_path / "two"
+    fp32 = ("engine.mixed_precision=fp32", "engine.shard_adapter_states=true")
+    proc = cli(*train_args(run_dir, *fp32), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    keys = set(dcp.FileSystemReader(str(run_dir / "checkpoints" / "step_3")).read_metadata().state_dict_metadata)
+    adapters = {k.removeprefix("replicated.") for k in keys if k.startswith("replicated.")}
+    assert len(adapters) == 4 * 7 * 2  # lora_A and lora_B of 7 projections in each of tiny-llama's 4 blocks
+    for state in ("exp_avg", "exp_avg_sq"):
+        assert {a for a in adapters if f"replicated_optim.{a}.{state}" in keys} == adapters, state
+    one = tmp_path / "one"
+    (one / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step_3", one / "checkpoints" / "step_3")
+    (one / "checkpoints" / "latest").write_text("step_3")
+    proc = cli(*train_args(one, *fp32, "launch.nproc_per_node=1", "train.micro_batch_size=16"), cwd=tmp_path)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    got, ref = losses(one), {s: v for s, v in losses(run_dir).items() if s > 3}
+    assert sorted(got) == sorted(ref)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step

@@ -88,6 +88,10 @@ class EngineConfig:
     # gathered root's two V x H tables. Sharded strategies with more than one rank in the shard group (FSDP2: the
     # embedding and head become units of their own); false: the tables live in the root unit, gathered with it.
     vocab_parallel: bool = True
+    # LoRA on our backend (ZeRO-2 for the adapters): each rank keeps the gradient and AdamW state of 1/W of the
+    # adapters (reduce-scatter, step, all-gather: the all-reduce's bytes); the adapters' values stay whole on every
+    # rank. -12·N·(W-1)/W bytes per rank for N adapter params. false: every rank steps every adapter (all-reduce).
+    shard_adapter_states: bool = True
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")

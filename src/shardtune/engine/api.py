@@ -68,6 +68,9 @@ class ShardingPolicy:
     # (engine/vocab.py). FSDP2: the (untied) embedding and head become units of their own. Each backend applies it
     # only with a shard group of more than one rank.
     vocab_parallel: bool = False
+    # Replicated params: each rank holds the gradient and AdamW state of its own contiguous run of them only
+    # (engine/replicated.py: reduce-scatter, step, all-gather after the optimizer step). False: all of them.
+    shard_replicated_states: bool = False
 
 
 class ShardedModel(Protocol):
@@ -83,6 +86,11 @@ class ShardedModel(Protocol):
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         """False: keep gradients local (unsharded) across micro-steps; True: reduce on this backward."""
+
+    def set_requires_all_reduce(self, requires: bool) -> None:
+        """Replicated gradients (LoRA adapters on our backend): False keeps them summed locally in one bucket even
+        on a synced backward; the trainer sets True on a step's last micro-step only, so they cross the wire once
+        per step and no reduced copy is held between micro-steps (FSDP2's name for the same switch under HSDP)."""
 
     def comm_bytes(self) -> int:
         """Bytes this rank sent + received in collectives since construction (monotonic)."""

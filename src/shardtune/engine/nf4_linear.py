@@ -5,9 +5,13 @@ torchao's `linear_nf4` dequantizes the whole weight per matmul, in forward and a
 result, ~14 B per weight at its peak in bf16 (3.1 GiB for one 8192x28672 weight). A frozen weight needs no gradient,
 so the matmuls split over row tiles W[t] (whole 64-element quantization blocks):
 
-  forward   y[:, t] = x @ W[t]^T          backward  grad_x = sum_t grad_y[:, t] @ W[t]
+  forward   y[:, t] = x @ W[t]^T          backward  grad_x[:, k] = grad_y @ W[:, k]
 
-and only one tile is dequantized at a time, into a buffer reused by every tile and every weight. Dequantizing a
+and only one tile is dequantized at a time, into a buffer reused by every tile and every weight. The backward
+takes column slabs W[:, k] (whole blocks of every row, when a row is whole blocks): each slab writes its own
+columns of grad_x, a full-length dot product each, so there is no sum over tiles to hold (row tiles would need an
+fp32 accumulator of grad_x's size: 0.11 GiB for a 70B down_proj at 1024 tokens) and grad_x is rounded once, as
+in the untiled matmul. Row tiles with that accumulator remain for weights whose rows split blocks. Dequantizing a
 tile: one 256-entry table maps each code byte to its two NF4 levels (in the weight's dtype), `index_select` with an
 int32 index writes them straight into the buffer (2 B/weight of index in bf16), then each 64-element block is
 multiplied by its scaler in place. The same elementwise operations as torchao's (a level times its block's
@@ -55,6 +59,15 @@ def rows_per_tile(out_f: int, in_f: int, elem: int, tile_bytes: int) -> int:
     align = BLOCK // _gcd(in_f, BLOCK)
     rows = max(align, tile_bytes // max(1, in_f * elem) // align * align)
     return min(rows, out_f)
+
+
+def cols_per_tile(out_f: int, in_f: int, elem: int, tile_bytes: int) -> int:
+    """Columns per backward slab: whole 64-element blocks of every row, as many as fit in `tile_bytes`; 0 when a
+    row is not whole blocks, or one block column of every row is more than `tile_bytes` (the backward then sums
+    row tiles)."""
+    if in_f % BLOCK or out_f * BLOCK * elem > tile_bytes:
+        return 0
+    return min(in_f, max(BLOCK, tile_bytes // max(1, out_f * elem) // BLOCK * BLOCK))
 
 
 def _gcd(a: int, b: int) -> int:
@@ -108,6 +121,25 @@ def dequantize_rows(w: NF4Tensor, r0: int, r1: int, out: torch.Tensor) -> torch.
     return tile.view(r1 - r0, in_f)
 
 
+def dequantize_cols(w: NF4Tensor, c0: int, c1: int, out: torch.Tensor) -> torch.Tensor:
+    """Columns [c0, c1) of every row (block-aligned, rows of whole blocks) into `out` (1D, >= out_f*(c1-c0)
+    elements, w.dtype); returns the (out_f, c1-c0) view. Element for element the operations of `dequantize_rows`."""
+    out_f, in_f = w.shape
+    assert in_f % BLOCK == 0 and c0 % BLOCK == 0 and (c1 % BLOCK == 0 or c1 == in_f), "slabs of whole blocks"
+    width = c1 - c0
+    tile = out[:out_f * width]
+    codes = w.quantized_data.view(out_f, in_f // 2)[:, c0 // 2:c1 // 2].to(torch.int32)  # (out_f, width/2)
+    torch.index_select(_byte_table(w.dtype, w.device), 0, codes.view(-1), out=tile.view(-1, 2))
+    del codes
+    per_row = in_f // BLOCK
+    rows = torch.arange(out_f, device=w.device)[:, None] * per_row
+    blocks = (rows + torch.arange(c0 // BLOCK, c1 // BLOCK, device=w.device)[None, :]).view(-1)
+    sb = w.scaler_block_size
+    scalers = (w.quantized_scalers[blocks] / w.quantization_factor[blocks // sb]).to(w.dtype) + w.scaler_mean
+    tile.view(-1, BLOCK).mul_(scalers[:, None])
+    return tile.view(out_f, width)
+
+
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: TiledNF4Tensor) -> torch.Tensor:
@@ -137,7 +169,15 @@ class _TiledLinear(torch.autograd.Function):
         if rows >= out_f:
             gx = g2 @ dequantize_rows(w, 0, out_f, buf).to(grad_y.dtype)
             return gx.view(*grad_y.shape[:-1], in_f), None
-        # A sum over tiles: accumulated in fp32 (each tile's product rounded once to the compute dtype), so a bf16
+        cols = cols_per_tile(out_f, in_f, w.dtype.itemsize, w.tile_bytes)
+        if cols:  # column slabs: each writes its own columns of grad_x
+            buf = _buffer(out_f * cols, w.dtype, w.device)
+            gx = torch.empty(g2.shape[0], in_f, dtype=grad_y.dtype, device=grad_y.device)
+            for c0 in range(0, in_f, cols):
+                c1 = min(in_f, c0 + cols)
+                gx[:, c0:c1].copy_(g2 @ dequantize_cols(w, c0, c1, buf).to(grad_y.dtype))  # N x cols
+            return gx.view(*grad_y.shape[:-1], in_f), None
+        # Rows that split blocks: a sum over row tiles: accumulated in fp32 (each tile's product rounded once to the compute dtype), so a bf16
         # run sees about the one rounding of torchao's single matmul, not one per tile. N x in x 4 bytes.
         acc = torch.zeros(g2.shape[0], in_f, dtype=torch.float32, device=grad_y.device)
         for r0 in range(0, out_f, rows):

@@ -1,93 +1,175 @@
 """Replicated trainable parameters (LoRA adapters): whole on every rank, outside the flat buffers.
 
-They are small (MBs), so sharding them would cost a collective per unit for nothing. Every rank holds the same fp32
-values and steps them identically; what must be made identical is their gradient: autograd accumulates each rank's
-local gradient in `p.grad`, and a synced backward sums it over all ranks (our gradient contract: SUM, see api.py)
-with ONE all-reduce of one flat bucket over every adapter, issued at the end of backward (async: it overlaps the
-wait for the units' last reductions, engine/step.py) and waited for before backward returns.
+They are small next to the base (0.4 GiB of fp32 adapters on a 70B QLoRA), so their VALUES stay whole on every
+rank: sharding them would cost a collective per unit. Their gradient must be summed over all ranks (our gradient
+contract: SUM, see api.py), once per optimizer step, in one collective over one flat bucket issued at the end of
+the step's last backward (async: it overlaps the wait for the units' last reductions, engine/step.py).
 
-Accumulation across micro-steps: a hook on each parameter takes the new local gradient before autograd accumulates
-it, adds it into `pending` (1D, fp32, numel = all adapters) and hands autograd zeros instead, so `p.grad` only ever
-holds gradients already summed over ranks. A synced backward reduces `pending` and adds it to `p.grad`. Every rank
-then computes the same sums in the same order: the replicas stay bit-identical (a "p.grad - local + sum" scheme
-would not: float rounding differs per rank and the copies drift). Between unsynced micro-steps `p.grad` reads as
-what has been reduced so far.
-Cost: one bucket of adapter size while gradients are pending; 4(W-1)/W x adapter bytes per synced backward.
+Accumulation across micro-steps: a hook on each parameter takes the new local gradient before autograd
+accumulates it, adds it into `pending` (1D, fp32, every adapter) and hands autograd zeros instead. Every rank then
+computes the same sums in the same order: the replicas stay bit-identical (a "p.grad - local + sum" scheme would
+not: float rounding differs per rank and the copies drift). Autograd turns the zeros it gets for a parameter with
+no `.grad` into a dense tensor of zeros: a second hook, after accumulation, drops it again (0.39 GiB of zeros on a
+70B QLoRA otherwise, alive through every backward).
+
+`shard_states=True` (engine.shard_adapter_states, ZeRO-2 for the adapters): each rank OWNS a contiguous run of the
+adapters (balanced by numel; rank r's laid out at r·M in `pending`, M = the largest rank's numel) and alone holds
+their gradient and AdamW state. The sum over ranks is a reduce-scatter of `pending` (each rank receives its own
+run), the optimizer steps the owned adapters only, and a post-step hook all-gathers the stepped values into every
+rank's copies. Same bytes on the wire as the all-reduce (reduce-scatter + all-gather = one all-reduce); memory per
+rank: gradients and AdamW state 12·N/W bytes instead of 12·N.
+
+Cost: one bucket of adapter size (fp32) during every backward of a step; per step 4(W-1)/W x adapter bytes of
+traffic (reduce-scatter + all-gather, or the all-reduce).
 """
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from shardtune.engine.collectives import CommCounter, all_reduce_
+from shardtune.engine.collectives import CommCounter, all_gather_into, all_reduce_, reduce_scatter_into
+
+
+def partition(sizes: list[int], world: int) -> list[int]:
+    """Owner rank of each parameter: contiguous runs in order, balanced by numel (a parameter goes to the rank whose
+    equal share holds its middle element). Non-decreasing; the plan uses it too."""
+    total = max(1, sum(sizes))
+    owners, start = [], 0
+    for n in sizes:
+        owners.append(min(world - 1, (2 * start + n) * world // (2 * total)))
+        start += n
+    return owners
 
 
 class ReplicatedParams:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: ProcessGroup | None,
-                 counter: CommCounter) -> None:
+                 counter: CommCounter, *, shard_states: bool = False) -> None:
         self.params = params  # (name, parameter) in named_parameters() order
         self.group = group  # None: one rank, nothing to reduce
         self.counter = counter
-        self.pending: torch.Tensor | None = None  # 1D, fp32, sum of local grads not reduced yet
-        self._work = None  # the all-reduce of `pending` in flight, between start_reduce and finish_reduce
-        self._offsets: list[int] = []
-        offset = 0
-        for _, p in params:
-            self._offsets.append(offset)
-            offset += p.numel()
-        self.numel = offset
+        world = 1 if group is None else dist.get_world_size(group)
+        self.sharded = shard_states and world > 1 and bool(params)
+        self.rank = dist.get_rank(group) if self.sharded else 0
+        self.pending: torch.Tensor | None = None  # 1D, fp32, numel = bucket_numel: local grads not reduced yet
+        self._reduced: torch.Tensor | None = None  # sharded: 1D, fp32, numel = chunk: this rank's reduced sums
+        self._work = None  # the collective over `pending`, between start_reduce and finish_reduce
+        owners = partition([p.numel() for _, p in params], world) if self.sharded else [0] * len(params)
+        self.owned = [o == self.rank for o in owners]
+        per_rank = [0] * world
+        for (_, p), o in zip(params, owners, strict=True):
+            per_rank[o] += p.numel()
+        self.chunk = max(per_rank)  # M: each rank's run, padded to the largest
+        self.bucket_numel = world * self.chunk if self.sharded else per_rank[0]
+        self._offsets: list[int] = []  # where each parameter sits in `pending`
+        filled = [0] * world
+        for (_, p), o in zip(params, owners, strict=True):
+            self._offsets.append(o * self.chunk + filled[o] if self.sharded else filled[0])
+            filled[o] += p.numel()
+        self.numel = sum(per_rank)
+        self._fresh = [False] * len(params)  # p.grad was None when autograd got our zeros: drop what it made
+        ref = weakref.ref(self)  # weak: autograd and the optimizer keep hooks out of the gc's sight
         if group is not None and params:
-            ref = weakref.ref(self)  # weak: autograd keeps hooks on its C++ side, out of the gc's sight
             for i, (_, p) in enumerate(params):
-                p.register_hook(lambda g, i=i: _add_pending(ref, i, g))
+                p.register_hook(lambda g, i=i: _call(ref, "_add", i, g))
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: _call(ref, "_drop_zeros", i))
+        if self.sharded:
+            self._owned_ids = {id(p) for (_, p), mine in zip(params, self.owned, strict=True) if mine}
+            hook = register_optimizer_step_post_hook(
+                lambda opt, args, kwargs: _call(ref, "_after_step", opt))
+            weakref.finalize(self, hook.remove)
 
     def _add(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         if self.pending is None:
-            self.pending = torch.zeros(self.numel, dtype=torch.float32, device=grad.device)
+            self.pending = torch.zeros(self.bucket_numel, dtype=torch.float32, device=grad.device)
         a = self._offsets[i]
         self.pending[a:a + grad.numel()].add_(grad.reshape(-1))
+        self._fresh[i] = self.params[i][1].grad is None
         return grad.new_zeros(()).expand_as(grad)  # what autograd accumulates instead: nothing
 
+    def _drop_zeros(self, i: int) -> None:
+        if self._fresh[i]:
+            self.params[i][1].grad = None  # the dense zeros autograd made of ours: p.grad stays "nothing reduced"
+            self._fresh[i] = False
+
     def start_reduce(self) -> None:
-        """End of a synced backward: sum the pending local gradients over ranks (one async all-reduce)."""
+        """End of the step's last backward: sum the pending local gradients over ranks (one async collective)."""
         if self.group is None or not self.params:
             return
         if self.pending is None:  # no adapter gradient on this rank: still join the collective
-            self.pending = torch.zeros(self.numel, dtype=torch.float32, device=self.params[0][1].device)
-        self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True)
+            self.pending = torch.zeros(self.bucket_numel, dtype=torch.float32, device=self.params[0][1].device)
+        if self.sharded:
+            self._reduced = torch.empty(self.chunk, dtype=torch.float32, device=self.pending.device)
+            # pending is scratch (dropped after): gloo then reduces in place, without its own copy of the input
+            self._work = reduce_scatter_into(self._reduced, self.pending, self.group, self.counter,
+                                             full_is_scratch=True, async_op=True, label="adapters")
+        else:
+            self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True)
 
     def finish_reduce(self) -> None:
-        """Wait for `start_reduce`'s all-reduce (it overlapped the units' last reductions) and add it to p.grad."""
+        """Wait for `start_reduce`'s collective (it overlapped the units' last reductions), add it to p.grad."""
         if self.group is None or not self.params:
             return
         if self._work is not None:
             self._work.wait()
             self._work = None
-        for (_, p), a in zip(self.params, self._offsets, strict=True):
-            reduced = self.pending[a:a + p.numel()].view_as(p)
+        source, base = (self._reduced, self.rank * self.chunk) if self.sharded else (self.pending, 0)
+        for (_, p), a, mine in zip(self.params, self._offsets, self.owned, strict=True):
+            if not mine:
+                continue  # another rank's: its gradient (and AdamW state) lives there only
+            reduced = source[a - base:a - base + p.numel()].view_as(p)
             if p.grad is None:
-                p.grad = reduced.to(p.dtype, copy=True)
+                p.grad = reduced if self.sharded else reduced.to(p.dtype, copy=True)
             else:
                 p.grad.add_(reduced)
-        self.pending = None
+        self.pending = self._reduced = None
 
     def abandon(self) -> None:
-        """A backward raised: wait for an all-reduce in flight (its bucket must outlive it), drop the local sums."""
+        """A backward raised: wait for a collective in flight (its buckets must outlive it), drop the local sums."""
         if self._work is not None:
             self._work.wait()
             self._work = None
-        self.pending = None
+        self.pending = self._reduced = None
+        self._fresh = [False] * len(self.params)
+
+    def owned_params(self) -> list[nn.Parameter]:
+        """What this rank's optimizer steps: every adapter, or (sharded) this rank's run."""
+        return [p for (_, p), mine in zip(self.params, self.owned, strict=True) if mine]
 
     def grads(self) -> list[torch.Tensor]:
-        return [p.grad for _, p in self.params if p.grad is not None]
+        return [p.grad for p in self.owned_params() if p.grad is not None]
+
+    def sq_norm_group(self) -> ProcessGroup | None:
+        """Where the squared norm of `grads()` must be summed: over the owners (sharded), nowhere (replicas)."""
+        return self.group if self.sharded else None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if any(id(p) in self._owned_ids for g in optimizer.param_groups for p in g["params"]):
+            self.gather_params()
+
+    def gather_params(self) -> None:
+        """Sharded: every rank's stepped run, all-gathered into every rank's copies (one collective)."""
+        owned = self.owned_params()
+        device = self.params[0][1].device
+        mine = torch.zeros(self.chunk, dtype=torch.float32, device=device)
+        if owned:
+            torch.cat([p.detach().reshape(-1) for p in owned], out=mine[:sum(p.numel() for p in owned)])
+        full = torch.empty(self.bucket_numel, dtype=torch.float32, device=device)
+        all_gather_into(full, mine, self.group, self.counter, label="adapters")
+        with torch.no_grad():
+            for (_, p), a, m in zip(self.params, self._offsets, self.owned, strict=True):
+                if not m:
+                    p.copy_(full[a:a + p.numel()].view_as(p))
 
     def state_bytes(self) -> int:
         return sum(p.nbytes + (p.grad.nbytes if p.grad is not None else 0) for _, p in self.params)
 
 
-def _add_pending(ref: weakref.ref[ReplicatedParams], i: int, grad: torch.Tensor) -> torch.Tensor | None:
+def _call(ref: weakref.ref[ReplicatedParams], method: str, *args: Any) -> Any:
     owner = ref()
-    return None if owner is None else owner._add(i, grad)
+    return None if owner is None else getattr(owner, method)(*args)

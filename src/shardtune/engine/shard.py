@@ -69,8 +69,10 @@ class ShardtuneModel:
                     yield decay, seg
 
     def _replicated(self) -> Iterator[tuple[bool, nn.Parameter]]:
-        for name, p in self.ctx.replicated.params:
-            yield not self.policy.no_weight_decay(name, p), p
+        r = self.ctx.replicated
+        for (name, p), mine in zip(r.params, r.owned, strict=True):
+            if mine:  # shard_replicated_states: this rank steps its own run of the adapters only
+                yield not self.policy.no_weight_decay(name, p), p
 
     def optimizer_param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         params = [*self._segments(), *self._replicated()]
@@ -92,9 +94,12 @@ class ShardtuneModel:
         # Sum over the shard group only: replicas (hybrid/no_shard) hold identical shards. Padding is not in any
         # segment, so it never counts. One all-reduce of one scalar.
         all_reduce_(sq, self.ctx.shard_group, self.ctx.counter)
-        # Replicated params (LoRA adapters) hold the same reduced gradient on every rank: added once, after.
+        # Replicated params (LoRA adapters) hold the same reduced gradient on every rank: added once, after; with
+        # sharded states each rank holds its own run's: summed over the ranks (one more scalar all-reduce).
         replicated = self.ctx.replicated.grads()
-        total = (sq + _sq_norm(replicated, self.ctx.device)).sqrt()
+        sq_rep = _sq_norm(replicated, self.ctx.device)
+        all_reduce_(sq_rep, self.ctx.replicated.sq_norm_group(), self.ctx.counter)
+        total = (sq + sq_rep).sqrt()
         grads += replicated
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch clip_grads_with_norm_
@@ -105,6 +110,9 @@ class ShardtuneModel:
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         self.ctx.step.requires_grad_sync = sync
+
+    def set_requires_all_reduce(self, requires: bool) -> None:
+        self.ctx.step.requires_all_reduce = requires
 
     def comm_bytes(self) -> int:
         return self.ctx.counter.bytes
@@ -205,7 +213,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
                               reduce_dtype=ctx.reduce_dtype, device=device, counter=ctx.counter,
                               offload=policy.cpu_offload)
     world = dist.get_world_size()
-    ctx.replicated = ReplicatedParams(replicated, dist.group.WORLD if world > 1 else None, ctx.counter)
+    ctx.replicated = ReplicatedParams(replicated, dist.group.WORLD if world > 1 else None, ctx.counter,
+                                      shard_states=policy.shard_replicated_states)
 
     compute = policy.mixed_precision.param_dtype
     units: list[Unit] = []

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 @dataclass
 class StepState:
     requires_grad_sync: bool = True  # set by the trainer per micro-step: reduce on this backward, or keep local
+    requires_all_reduce: bool = True  # replicated params reduce on a synced backward only if this is set too
     in_backward: bool = False  # between the first backward hook and the end-of-backward callback
     num_aborted: int = 0  # backwards that raised and were cleaned up at the next begin (tests)
 
@@ -58,7 +59,8 @@ def _end_backward(ctx: EngineContext) -> Callable[[], None]:
         for u in [*ctx.units, ctx.root]:
             u.reduce_missing_grads()  # zeros: every rank runs the same collectives in the same order
         sync = ctx.step.requires_grad_sync
-        replicas = [r for r in (ctx.replicated, ctx.vocab_replicas) if r is not None] if sync else []
+        once = sync and ctx.step.requires_all_reduce  # the trainer: a step's last micro-step
+        replicas = [r for r in (ctx.replicated, ctx.vocab_replicas) if r is not None] if once else []
         for r in replicas:
             r.start_reduce()  # adapters (and hybrid vocab tables): one bucketed all-reduce, after the reductions
         ctx.reducer.finish_backward()

@@ -63,6 +63,10 @@ class TorchShardedModel:
         for m in self._fsdp_modules:
             m.set_requires_gradient_sync(sync, recurse=False)
 
+    def set_requires_all_reduce(self, requires: bool) -> None:
+        """Nothing to do: FSDP2 shards the adapters like every parameter (no replicated bucket). Its own switch of
+        this name (HSDP's replica all-reduce) stays on: hybrid grads are reduced as sync_every_microstep says."""
+
     def comm_bytes(self) -> int:
         return -1  # FSDP2 exposes no byte counter; the benchmark compares ours against theory instead
 

@@ -70,6 +70,8 @@ class Setup:
     nf4_tile_bytes: int = 0  # engine.nf4_tile_mb (engine/nf4_linear.py, our backend); 0: torchao's whole weight
     vocab_parallel: bool = False  # engine.vocab_parallel (engine/vocab.py, our backend): tables never gathered
     split_tables: bool = False  # engine.vocab_parallel on FSDP2: the untied embedding and head are units of their own
+    shard_adapter_states: bool = False  # engine.shard_adapter_states (engine/replicated.py, our backend)
+    backend: str = "shardtune"  # engine.backend: FSDP2 shards the adapters like any parameter (no bucket)
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -86,7 +88,8 @@ class Setup:
                    loss_chunk=r.train.loss_chunk_tokens if r.train.objective == "sft" else 0,
                    nf4_tile_bytes=int(e.nf4_tile_mb * (1 << 20)) if e.backend == "shardtune" else 0,
                    vocab_parallel=e.vocab_parallel and e.backend == "shardtune",
-                   split_tables=e.vocab_parallel and e.backend == "torch")
+                   split_tables=e.vocab_parallel and e.backend == "torch",
+                   shard_adapter_states=e.shard_adapter_states and e.backend == "shardtune", backend=e.backend)
 
     @property
     def shard_size(self) -> int:
@@ -174,17 +177,22 @@ def nf4_matmul_bytes(units: list[UnitLayout], c: int) -> int:
 def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int) -> tuple[int, int]:
     """engine/nf4_linear.py: (the reused tile buffer, alive from the first matmul on; the transient of one tiled
     matmul). The buffer holds the largest tile of any weight (compute dtype); the transient is the tile's int32 code
-    index (2 B/weight of the tile) and, for a weight of several tiles, the backward's fp32 input-gradient
-    accumulator (tokens x in x 4) with one tile's product (tokens x in x c)."""
-    from shardtune.engine.nf4_linear import rows_per_tile
+    index (2 B/weight of the tile); for a weight of several tiles the backward's column slab (the same index, a
+    block index of 1/8 B/weight, one slab's product, tokens x cols x c) or, when rows split blocks, the fp32
+    input-gradient accumulator (tokens x in x 4) with one row tile's product (tokens x in x c)."""
+    from shardtune.engine.nf4_linear import cols_per_tile, rows_per_tile
 
     buf, transient = 0, 0
     for u in units:
         for _, (out_f, in_f) in u.quantized_weights:
             rows = rows_per_tile(out_f, in_f, c, tile)
-            buf = max(buf, rows * in_f * c)
-            acc = tokens * in_f * (4 + c) if rows < out_f else 0
-            transient = max(transient, rows * in_f * 2 + acc)
+            cols = cols_per_tile(out_f, in_f, c, tile) if rows < out_f else 0
+            buf = max(buf, rows * in_f * c, out_f * cols * c)
+            if cols:
+                bwd = out_f * cols * 2 + out_f * cols // 8 + tokens * cols * c
+            else:
+                bwd = rows * in_f * 2 + (tokens * in_f * (4 + c) if rows < out_f else 0)
+            transient = max(transient, rows * in_f * 2, bwd)
     return buf, transient
 
 
@@ -226,6 +234,21 @@ def root_activation_bytes(stats: ModelStats, s: Setup) -> int:
     return bs * d.hidden * (4 + 2 * c) + 2 * bs * d.head_dim * c + bs * 8 + bs * 4
 
 
+def adapter_runs(stats: ModelStats, s: Setup) -> tuple[int, int]:
+    """(numel of the adapters whose gradient and AdamW state this rank holds at most, numel of the fp32 bucket of
+    local sums): every adapter and one bucket of all of them, or (shard_adapter_states over 2+ ranks) the largest
+    rank's contiguous run M and the padded bucket W·M (engine/replicated.py, the same partition)."""
+    from shardtune.engine.replicated import partition
+
+    sizes = stats.lora_sizes()
+    if not (s.shard_adapter_states and s.world > 1):
+        return sum(sizes), sum(sizes)
+    per_rank = [0] * s.world
+    for n, owner in zip(sizes, partition(sizes, s.world), strict=True):
+        per_rank[owner] += n
+    return max(per_rank), s.world * max(per_rank)
+
+
 def estimate(stats: ModelStats, s: Setup) -> Estimate:
     d = stats.dims
     c = _size(s.compute)
@@ -253,20 +276,26 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     shard_bytes = sum(f.shard_bytes() for u in units for f in u.flats)
     train_shard = sum(u.trainable.shard_numel for u in units if u.trainable) + vocab_train
     lora_p = stats.lora_params() if s.lora else 0
+    # The adapters (engine/replicated.py): values whole on every rank; their gradient and AdamW state whole too, or
+    # (shard_adapter_states) this rank's run only (at most lora_own); the fp32 bucket of local sums, lora_bucket.
+    lora_own, lora_bucket = adapter_runs(stats, s) if s.lora else (0, 0)
     states_params = shard_bytes + 4 * lora_p
-    grads_full = 4 * train_shard + 4 * lora_p
-    opt = 8 * train_shard + 8 * lora_p
+    grads_full = 4 * train_shard + 4 * lora_own
+    opt = 8 * train_shard + 8 * lora_own
     buffers = stats.buffer_bytes() + tile_buf
-    # Grads of earlier micro-steps: sharded fp32 (sync every micro-step) or unsharded fp32 per unit (no sync).
+    # Grads of earlier micro-steps: sharded fp32 (sync every micro-step) or unsharded fp32 per unit (no sync). The
+    # adapters' wait in the bucket (counted below) until the step's last backward: nothing in their .grad (FSDP2:
+    # held like any gradient, counted whole as before).
     grads_prev = 0
     if s.grad_accum > 1:
-        grads_prev = grads_full if s.sync_every_microstep else sum(4 * u.trainable.padded_numel for u in units
-                                                                   if u.trainable) + 4 * lora_p
+        grads_prev = 4 * train_shard if s.sync_every_microstep else sum(4 * u.trainable.padded_numel for u in units
+                                                                        if u.trainable)
+        grads_prev += 4 * lora_p if s.backend == "torch" else 0
     host_per_rank = 0
     if s.offload:  # model states move to the host; the device keeps what is gathered and in flight
-        host_per_rank = states_params - 4 * lora_p + grads_full - 4 * lora_p + opt - 8 * lora_p
-        dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_p, 8 * lora_p
-        grads_prev = min(grads_prev, 4 * lora_p) if s.sync_every_microstep else grads_prev
+        host_per_rank = states_params - 4 * lora_p + grads_full - 4 * lora_own + opt - 8 * lora_own
+        dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_own, 8 * lora_own
+        grads_prev = 0 if s.sync_every_microstep else grads_prev
         if s.device_is_cpu:  # the host IS the device: nothing is saved
             dev_params, dev_grads, dev_opt = states_params, grads_full, opt
     else:
@@ -349,7 +378,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     grads_on_device = not s.offload or s.device_is_cpu
     # LoRA on more than one rank: the adapters' gradient bucket (engine/replicated.py `pending`, fp32, all adapters)
     # is allocated at the first adapter gradient, in the last unit's backward, and lives until the end of backward.
-    bucket = 4 * lora_p if s.world > 1 else 0
+    bucket = 4 * lora_bucket if s.world > 1 else 0
     if s.world > W:  # hybrid: a trainable table's row gradients pend for the replica all-reduce the same way
         bucket += 4 * vocab_train
     unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
@@ -414,10 +443,14 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                 n = t.decay_numel if decay else t.numel - t.decay_numel
                 if n:
                     segs.append(4 * min(n, t.shard_numel))
-    segs += [4 * lora_p] if lora_p else []
+    segs += [4 * lora_own] if lora_own else []
     temp = 0 if s.device_is_cpu else sum(segs)
+    # Sharded adapter states: after the step, this rank's run (M) and the all-gathered bucket (W·M), fp32
+    regather = 4 * (lora_bucket + lora_own) if s.shard_adapter_states and s.world > 1 and lora_p else 0
     if not s.offload or s.device_is_cpu:
-        phases["optimizer"]["gathered"] = temp
+        phases["optimizer"]["gathered"] = max(temp, regather)
+    else:
+        phases["optimizer"]["gathered"] += regather
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak = max(totals, key=totals.__getitem__)
     per_rank = {f"{k}_bytes": phases[peak].get(k, 0) for k in CATEGORIES}

@@ -179,6 +179,9 @@ class Candidate:
             parts.append(f"engine.nf4_tile_mb={s.nf4_tile_bytes / (1 << 20):g}")
         if s.vocab_parallel != (self.plan.recipe.engine.vocab_parallel and self.plan.recipe.engine.backend == "shardtune"):
             parts.append(f"engine.vocab_parallel={'true' if s.vocab_parallel else 'false'}")
+        e = self.plan.recipe.engine
+        if s.lora and s.shard_adapter_states != (e.shard_adapter_states and e.backend == "shardtune"):
+            parts.append(f"engine.shard_adapter_states={'true' if s.shard_adapter_states else 'false'}")
         return " ".join(parts)
 
 
@@ -204,12 +207,15 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
         else [0]
     # engine.vocab_parallel (our backend): the recipe's setting, and on when it is off
     vps = sorted({s.vocab_parallel, plan.recipe.engine.backend == "shardtune" or s.vocab_parallel})
+    # engine.shard_adapter_states (our backend, LoRA): the recipe's setting, and on (the same bytes on the wire)
+    sas = sorted({s.shard_adapter_states, plan.recipe.engine.backend == "shardtune" or s.shard_adapter_states})
     out = []
-    for strategy, sched, ck, off, m, (lo, q), chunk, tile, vp in itertools.product(
-            strategies, schedules, (False, True), (False, True), micro, loras, chunks, tiles, vps):
+    for strategy, sched, ck, off, m, (lo, q), chunk, tile, vp, sa in itertools.product(
+            strategies, schedules, (False, True), (False, True), micro, loras, chunks, tiles, vps, sas):
         setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off, micro_batch=m,
                                     grad_accum=per_rank_batch // m, lora=lo, nf4=q, loss_chunk=chunk,
-                                    nf4_tile_bytes=tile, backward_schedule=sched, vocab_parallel=vp)
+                                    nf4_tile_bytes=tile, backward_schedule=sched, vocab_parallel=vp,
+                                    shard_adapter_states=sa)
         p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
         if p.fits:
             out.append(Candidate(p, step_time(p)))
@@ -222,4 +228,5 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                                       c.plan.setup.backward_schedule != s.backward_schedule,
                                       c.plan.setup.loss_chunk != s.loss_chunk,
                                       c.plan.setup.nf4_tile_bytes != s.nf4_tile_bytes,
-                                      c.plan.setup.vocab_parallel != s.vocab_parallel))
+                                      c.plan.setup.vocab_parallel != s.vocab_parallel,
+                                      c.plan.setup.shard_adapter_states != s.shard_adapter_states))

@@ -102,10 +102,15 @@ class ModelStats:
 
     def lora_params(self) -> int:
         """Adapter params peft would add: r·(in + out) per targeted Linear (matched by the module name's last part)."""
+        return sum(self.lora_sizes())
+
+    def lora_sizes(self) -> list[int]:
+        """Each adapter tensor's numel in named_parameters() order: lora_A (r x in), then lora_B (out x r)."""
         lora = self.recipe.lora
         targets = set(lora.target_modules)
-        return sum(lora.r * (m.in_features + m.out_features) for name, m in self.model.named_modules()
-                   if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+        return [n for name, m in self.model.named_modules()
+                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+                for n in (lora.r * m.in_features, lora.r * m.out_features)]
 
     def buffer_bytes(self) -> int:
         """Module buffers (rotary inv_freq, ...): replicated, not sharded, kept in their own dtype."""

@@ -9,7 +9,14 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
 from shardtune.engine.nf4 import nf4_view, quantize
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, scaler_block
-from shardtune.engine.nf4_linear import TiledNF4Tensor, dequantize_rows, release_buffers, tile_rows
+from shardtune.engine.nf4_linear import (
+    TiledNF4Tensor,
+    cols_per_tile,
+    dequantize_cols,
+    dequantize_rows,
+    release_buffers,
+    tile_rows,
+)
 from shardtune.memory import CpuMemoryTracker
 
 
@@ -43,6 +50,47 @@ def test_tiles_equal_torchao(shape, dtype):
     y.backward(g)
     y_ref.backward(g)
     torch.testing.assert_close(x.grad, x2.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_slabs_equal_torchao(dtype):
+    """The backward's column slabs: bit-identical to get_original_weight's columns (the last slab narrower), and
+    grad_x equal to torchao's single matmul: each column a full-length dot product, no sum over tiles."""
+    out_f, in_f = 96, 320
+    tiled, ref = _weights((out_f, in_f), dtype, tile_bytes=out_f * 128 * dtype.itemsize)
+    cols = cols_per_tile(out_f, in_f, dtype.itemsize, tiled.tile_bytes)
+    assert cols == 128 and tile_rows(tiled, tiled.tile_bytes) < out_f  # 3 slabs: 128, 128, 64 columns
+    full = ref.get_original_weight()
+    buf = torch.empty(out_f * cols, dtype=dtype)
+    for c0 in range(0, in_f, cols):
+        c1 = min(in_f, c0 + cols)
+        assert torch.equal(dequantize_cols(tiled, c0, c1, buf), full[:, c0:c1])
+    x = torch.randn(4, in_f, dtype=dtype, requires_grad=True)
+    g = torch.randn(4, out_f, dtype=dtype)
+    F.linear(x, tiled).backward(g)
+    torch.testing.assert_close(x.grad, g @ full.to(dtype), rtol=1e-5, atol=1e-6)  # the same matmul, per column
+
+
+def test_column_slabs_hold_no_accumulator():
+    """Backward of a 256x4096 bf16 weight with 64 KiB slabs: grad_x is written slab by slab, so the peak has no
+    fp32 accumulator of grad_x's size (what row tiles need: n x in x 4 bytes) and no full dequantized weight."""
+    out_f, in_f, n = 256, 4096, 64
+    tile = 64 << 10
+    tiled, _ = _weights((out_f, in_f), torch.bfloat16, tile_bytes=tile)
+    assert cols_per_tile(out_f, in_f, 2, tile) == 128
+    release_buffers()
+    x = torch.randn(n, in_f, dtype=torch.bfloat16, requires_grad=True)
+    y = F.linear(x, tiled)
+    g = torch.randn_like(y)
+    tracker = CpuMemoryTracker().start()
+    base = tracker.live_bytes()
+    y.backward(g)
+    peak = tracker.peak_bytes() - base
+    tracker.stop()
+    grad_x = n * in_f * 2  # the result (and x.grad, the same tensor)
+    slab = n * 128 * 2 + out_f * 128 * 2 + out_f * 128 // 8 * 8  # one slab's product, its index, block index
+    assert peak <= grad_x + tile + slab + 4096, (peak, grad_x)
+    assert peak < grad_x + n * in_f * 4  # the row tiles' fp32 accumulator alone would exceed it
 
 
 def test_no_full_weight_alive():
