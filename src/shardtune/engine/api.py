@@ -56,7 +56,7 @@ class ShardingPolicy:
     hybrid_shard_size: int | None = None  # ranks per shard group under HYBRID_SHARD
     no_weight_decay: Callable[[str, nn.Parameter], bool] = default_no_weight_decay
     # Trainable parameters kept whole on every rank, outside the flat buffers (LoRA adapters): fp32, gradients
-    # summed with one bucketed all-reduce per synced backward, stepped by every rank identically. None: none.
+    # summed over ranks in one bucketed collective per step (engine/replicated.py). None: none.
     replicated: Callable[[str, nn.Parameter], bool] | None = None
     # QLoRA: the frozen 2-D weights of nn.Linear modules inside the units (not the root: embeddings, norm, head) are
     # stored, sharded and all-gathered as NF4 bytes (engine/quantized.py) and dequantized to param_dtype per matmul.

@@ -103,8 +103,19 @@ def _byte_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _PAIRS[key]
 
 
-def dequantize_rows(w: NF4Tensor, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows [r0, r1) of the weight into `out` (1D, >= (r1-r0)*in elements, w.dtype); returns the (rows, in) view."""
+def block_scalers(w: NF4Tensor) -> torch.Tensor:
+    """Every 64-element block's scaler, as torchao's dequantize_scalers: int8 / the factor of its scaler block, in
+    the weight's dtype, + the mean. 1D, numel/64 (c/64 bytes per weight): computed once per matmul, sliced per tile
+    (a tile then costs a handful of kernels, not a dozen)."""
+    sb = w.scaler_block_size
+    factors = w.quantization_factor.repeat_interleave(sb)[:w.quantized_scalers.numel()]
+    return (w.quantized_scalers / factors).to(w.dtype) + w.scaler_mean
+
+
+def dequantize_rows(w: NF4Tensor, r0: int, r1: int, out: torch.Tensor,
+                    scalers: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [r0, r1) of the weight into `out` (1D, >= (r1-r0)*in elements, w.dtype); returns the (rows, in) view.
+    `scalers`: `block_scalers(w)`, when the caller dequantizes several tiles."""
     in_f = w.shape[1]
     e0, e1 = r0 * in_f, r1 * in_f
     assert e0 % BLOCK == 0 and e1 % BLOCK == 0, "tiles hold whole quantization blocks"
@@ -113,15 +124,13 @@ def dequantize_rows(w: NF4Tensor, r0: int, r1: int, out: torch.Tensor) -> torch.
     codes = w.quantized_data[e0 // 2:e1 // 2].to(torch.int32)
     torch.index_select(_byte_table(w.dtype, w.device), 0, codes, out=tile.view(-1, 2))
     del codes
-    # Block scalers, as torchao's dequantize_scalers: int8 / factor of its scaler block, in the weight's dtype, + mean
-    sb = w.scaler_block_size
-    blocks = torch.arange(b0, b1, device=w.device)
-    scalers = (w.quantized_scalers[b0:b1] / w.quantization_factor[blocks // sb]).to(w.dtype) + w.scaler_mean
-    tile.view(b1 - b0, BLOCK).mul_(scalers[:, None])
+    scalers = block_scalers(w) if scalers is None else scalers
+    tile.view(b1 - b0, BLOCK).mul_(scalers[b0:b1, None])
     return tile.view(r1 - r0, in_f)
 
 
-def dequantize_cols(w: NF4Tensor, c0: int, c1: int, out: torch.Tensor) -> torch.Tensor:
+def dequantize_cols(w: NF4Tensor, c0: int, c1: int, out: torch.Tensor,
+                    scalers: torch.Tensor | None = None) -> torch.Tensor:
     """Columns [c0, c1) of every row (block-aligned, rows of whole blocks) into `out` (1D, >= out_f*(c1-c0)
     elements, w.dtype); returns the (out_f, c1-c0) view. Element for element the operations of `dequantize_rows`."""
     out_f, in_f = w.shape
@@ -131,12 +140,8 @@ def dequantize_cols(w: NF4Tensor, c0: int, c1: int, out: torch.Tensor) -> torch.
     codes = w.quantized_data.view(out_f, in_f // 2)[:, c0 // 2:c1 // 2].to(torch.int32)  # (out_f, width/2)
     torch.index_select(_byte_table(w.dtype, w.device), 0, codes.view(-1), out=tile.view(-1, 2))
     del codes
-    per_row = in_f // BLOCK
-    rows = torch.arange(out_f, device=w.device)[:, None] * per_row
-    blocks = (rows + torch.arange(c0 // BLOCK, c1 // BLOCK, device=w.device)[None, :]).view(-1)
-    sb = w.scaler_block_size
-    scalers = (w.quantized_scalers[blocks] / w.quantization_factor[blocks // sb]).to(w.dtype) + w.scaler_mean
-    tile.view(-1, BLOCK).mul_(scalers[:, None])
+    scalers = block_scalers(w) if scalers is None else scalers
+    tile.view(out_f, width // BLOCK, BLOCK).mul_(scalers.view(out_f, in_f // BLOCK)[:, c0 // BLOCK:c1 // BLOCK, None])
     return tile.view(out_f, width)
 
 
@@ -150,9 +155,10 @@ class _TiledLinear(torch.autograd.Function):
         y = torch.empty(x2.shape[0], out_f, dtype=x.dtype, device=x.device)
         rows = tile_rows(w, w.tile_bytes)
         buf = _buffer(rows * in_f, w.dtype, w.device)
+        scalers = block_scalers(w)
         for r0 in range(0, out_f, rows):
             r1 = min(out_f, r0 + rows)
-            wt = dequantize_rows(w, r0, r1, buf).to(x.dtype)
+            wt = dequantize_rows(w, r0, r1, buf, scalers).to(x.dtype)
             if rows == out_f:
                 torch.mm(x2, wt.t(), out=y)
             else:
@@ -170,17 +176,18 @@ class _TiledLinear(torch.autograd.Function):
             gx = g2 @ dequantize_rows(w, 0, out_f, buf).to(grad_y.dtype)
             return gx.view(*grad_y.shape[:-1], in_f), None
         cols = cols_per_tile(out_f, in_f, w.dtype.itemsize, w.tile_bytes)
+        scalers = block_scalers(w)
         if cols:  # column slabs: each writes its own columns of grad_x
             buf = _buffer(out_f * cols, w.dtype, w.device)
             gx = torch.empty(g2.shape[0], in_f, dtype=grad_y.dtype, device=grad_y.device)
             for c0 in range(0, in_f, cols):
                 c1 = min(in_f, c0 + cols)
-                gx[:, c0:c1].copy_(g2 @ dequantize_cols(w, c0, c1, buf).to(grad_y.dtype))  # N x cols
+                gx[:, c0:c1].copy_(g2 @ dequantize_cols(w, c0, c1, buf, scalers).to(grad_y.dtype))  # N x cols
             return gx.view(*grad_y.shape[:-1], in_f), None
         # Rows that split blocks: a sum over row tiles: accumulated in fp32 (each tile's product rounded once to the compute dtype), so a bf16
         # run sees about the one rounding of torchao's single matmul, not one per tile. N x in x 4 bytes.
         acc = torch.zeros(g2.shape[0], in_f, dtype=torch.float32, device=grad_y.device)
         for r0 in range(0, out_f, rows):
             r1 = min(out_f, r0 + rows)
-            acc.add_(g2[:, r0:r1] @ dequantize_rows(w, r0, r1, buf).to(grad_y.dtype))
+            acc.add_(g2[:, r0:r1] @ dequantize_rows(w, r0, r1, buf, scalers).to(grad_y.dtype))
         return acc.to(grad_y.dtype).view(*grad_y.shape[:-1], in_f), None

@@ -66,7 +66,7 @@ class EngineContext:
     units: list[Unit] = field(default_factory=list)  # non-root units, forward order
     root: Unit | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute device
-    replicated: ReplicatedParams | None = None  # LoRA adapters: whole on every rank, one all-reduce per sync
+    replicated: ReplicatedParams | None = None  # LoRA adapters: whole on every rank, one reduction per step
     reducer: GradReducer | None = None  # the units' gradient reductions in flight (reduce.py)
     step: StepState = field(default_factory=StepState)  # per-iteration root state (step.py)
     # CPU offload on an accelerator: the H2D copies of the shards, their casts and the all-gathers that read them

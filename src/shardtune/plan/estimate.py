@@ -177,9 +177,10 @@ def nf4_matmul_bytes(units: list[UnitLayout], c: int) -> int:
 def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int) -> tuple[int, int]:
     """engine/nf4_linear.py: (the reused tile buffer, alive from the first matmul on; the transient of one tiled
     matmul). The buffer holds the largest tile of any weight (compute dtype); the transient is the tile's int32 code
-    index (2 B/weight of the tile); for a weight of several tiles the backward's column slab (the same index, a
-    block index of 1/8 B/weight, one slab's product, tokens x cols x c) or, when rows split blocks, the fp32
-    input-gradient accumulator (tokens x in x 4) with one row tile's product (tokens x in x c)."""
+    index (2 B/weight of the tile) and the weight's block scalers (c/64 B/weight, computed once per matmul); for a
+    weight of several tiles the backward's column slab (the same index, one slab's product, tokens x cols x c) or,
+    when rows split blocks, the fp32 input-gradient accumulator (tokens x in x 4) with one row tile's product
+    (tokens x in x c)."""
     from shardtune.engine.nf4_linear import cols_per_tile, rows_per_tile
 
     buf, transient = 0, 0
@@ -188,11 +189,12 @@ def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int) -> t
             rows = rows_per_tile(out_f, in_f, c, tile)
             cols = cols_per_tile(out_f, in_f, c, tile) if rows < out_f else 0
             buf = max(buf, rows * in_f * c, out_f * cols * c)
+            scalers = out_f * in_f // 64 * c
             if cols:
-                bwd = out_f * cols * 2 + out_f * cols // 8 + tokens * cols * c
+                bwd = out_f * cols * 2 + tokens * cols * c
             else:
                 bwd = rows * in_f * 2 + (tokens * in_f * (4 + c) if rows < out_f else 0)
-            transient = max(transient, rows * in_f * 2, bwd)
+            transient = max(transient, scalers + max(rows * in_f * 2, bwd))
     return buf, transient
 
 
@@ -284,18 +286,18 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     opt = 8 * train_shard + 8 * lora_own
     buffers = stats.buffer_bytes() + tile_buf
     # Grads of earlier micro-steps: sharded fp32 (sync every micro-step) or unsharded fp32 per unit (no sync). The
-    # adapters' wait in the bucket (counted below) until the step's last backward: nothing in their .grad (FSDP2:
-    # held like any gradient, counted whole as before).
-    grads_prev = 0
+    # adapters' wait in the bucket (counted below) until the step's last backward: nothing in their .grad. One rank
+    # (no bucket: autograd accumulates in .grad) and FSDP2 (held like any gradient, counted whole as before) hold it.
+    grads_prev = adapters_prev = 0
     if s.grad_accum > 1:
-        grads_prev = 4 * train_shard if s.sync_every_microstep else sum(4 * u.trainable.padded_numel for u in units
-                                                                        if u.trainable)
-        grads_prev += 4 * lora_p if s.backend == "torch" else 0
+        adapters_prev = 4 * lora_p if s.backend == "torch" or s.world == 1 else 0
+        grads_prev = adapters_prev + (4 * train_shard if s.sync_every_microstep else
+                                      sum(4 * u.trainable.padded_numel for u in units if u.trainable))
     host_per_rank = 0
     if s.offload:  # model states move to the host; the device keeps what is gathered and in flight
         host_per_rank = states_params - 4 * lora_p + grads_full - 4 * lora_own + opt - 8 * lora_own
         dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_own, 8 * lora_own
-        grads_prev = 0 if s.sync_every_microstep else grads_prev
+        grads_prev = adapters_prev if s.sync_every_microstep else grads_prev
         if s.device_is_cpu:  # the host IS the device: nothing is saved
             dev_params, dev_grads, dev_opt = states_params, grads_full, opt
     else:
