@@ -379,10 +379,12 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     # all later units exist: measured at the first unit's recompute, every-1 checkpointing).
     grads_on_device = not s.offload or s.device_is_cpu
     # LoRA on more than one rank: the adapters' gradient bucket (engine/replicated.py `pending`, fp32, all adapters)
-    # is allocated at the first adapter gradient, in the last unit's backward, and lives until the end of backward.
+    # is allocated at the first adapter gradient, in the last unit's backward of a step's first micro-step, and
+    # lives until the end of its last micro-step's backward: through the forward of every later micro-step too.
     bucket = 4 * lora_bucket if s.world > 1 else 0
     if s.world > W:  # hybrid: a trainable table's row gradients pend for the replica all-reduce the same way
         bucket += 4 * vocab_train
+    bucket_prev = bucket if s.grad_accum > 1 and s.backend != "torch" else 0
     unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
 
     overlap = s.backward_schedule == "overlap"
@@ -412,9 +414,9 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     after_last_grad = {"gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
                        "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)}
     phases: dict[str, dict[str, int]] = {
-        "forward-loss": {**static, "grads": grads_prev, "gathered": held_fwd + offload_copy,
+        "forward-loss": {**static, "grads": grads_prev + bucket_prev, "gathered": held_fwd + offload_copy,
                          "activations": acts + ce_fwd},
-        "loss-backward": {**static, "grads": grads_prev, "gathered": held_fwd + offload_copy,
+        "loss-backward": {**static, "grads": grads_prev + bucket_prev, "gathered": held_fwd + offload_copy,
                           "activations": acts + ce_bwd},
         # The worst unit's backward (unit_backward above). For the last unit, measured: the peak inside its MLP
         # backward, with every activation still saved, the down-projection's weight grad and two b·s·i grads (of

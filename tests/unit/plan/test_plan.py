@@ -141,3 +141,16 @@ def test_plan_report_names_what_nf4_quantizes_and_what_it_replaces(recipe: str, 
     assert f"GiB {base_dtype};" in line  # the dtype the frozen base would have without nf4 (engine.mixed_precision)
     assert replaced == pytest.approx(itemsize * weights / 2**30, abs=0.006)
     assert "q_proj" in line and "down_proj" in line and "lm_head" in line.split("dequantized per matmul")[1]
+
+
+def test_sharded_adapter_states_in_the_plan() -> None:
+    """engine.shard_adapter_states at 2 GPUs: each rank's adapter AdamW state is its run of the engine's own
+    partition (replicated.partition), within one adapter of half the whole; the 70B QLoRA recipe with nothing
+    offloaded fits only with it."""
+    on = make_plan("llama-3.1-70b-qlora-2x24gb")
+    off = make_plan("llama-3.1-70b-qlora-2x24gb", ["engine.shard_adapter_states=false"])
+    lora, largest = on.estimate.lora_params, max(on.stats.lora_sizes())
+    assert sum(on.stats.lora_sizes()) == lora
+    assert off.estimate.per_rank["optimizer_bytes"] == 8 * lora
+    assert 8 * lora / 2 <= on.estimate.per_rank["optimizer_bytes"] <= 8 * (lora / 2 + largest)
+    assert on.fits and not off.fits
