@@ -16,7 +16,8 @@ no `.grad` into a dense tensor of zeros: a second hook, after accumulation, drop
 adapters (balanced by numel; rank r's laid out at r·M in `pending`, M = the largest rank's numel) and alone holds
 their gradient and AdamW state. The sum over ranks is a reduce-scatter of `pending` (each rank receives its own
 run), the optimizer steps the owned adapters only, and a post-step hook all-gathers the stepped values into every
-rank's copies. Same bytes on the wire as the all-reduce (reduce-scatter + all-gather = one all-reduce); memory per
+rank's copies (a global optimizer hook: any optimizer holding an owned adapter triggers it, so every rank must step
+together, as the trainer does; a rank that steps alone would wait in the all-gather). Same bytes on the wire as the all-reduce (reduce-scatter + all-gather = one all-reduce); memory per
 rank: gradients and AdamW state 12·N/W bytes instead of 12·N.
 
 Cost: one bucket of adapter size (fp32) during every backward of a step; per step 4(W-1)/W x adapter bytes of
