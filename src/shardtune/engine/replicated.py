@@ -48,6 +48,14 @@ def partition(sizes: list[int], world: int) -> list[int]:
     return owners
 
 
+def run_sizes(sizes: list[int], owners: list[int], world: int) -> list[int]:
+    """Numel of each rank's run under `owners` (the plan sizes the bucket and the states with it too)."""
+    per_rank = [0] * world
+    for n, o in zip(sizes, owners, strict=True):
+        per_rank[o] += n
+    return per_rank
+
+
 class ReplicatedParams:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: ProcessGroup | None,
                  counter: CommCounter, *, shard_states: bool = False) -> None:
@@ -60,11 +68,11 @@ class ReplicatedParams:
         self.pending: torch.Tensor | None = None  # 1D, fp32, numel = bucket_numel: local grads not reduced yet
         self._reduced: torch.Tensor | None = None  # sharded: 1D, fp32, numel = chunk: this rank's reduced sums
         self._work = None  # the collective over `pending`, between start_reduce and finish_reduce
-        owners = partition([p.numel() for _, p in params], world) if self.sharded else [0] * len(params)
+        sizes = [p.numel() for _, p in params]
+        owners = partition(sizes, world) if self.sharded else [0] * len(params)
         self.owned = [o == self.rank for o in owners]
-        per_rank = [0] * world
-        for (_, p), o in zip(params, owners, strict=True):
-            per_rank[o] += p.numel()
+        per_rank = run_sizes(sizes, owners, world)
+        self.owned_numel = per_rank[self.rank]
         self.chunk = max(per_rank)  # M: each rank's run, padded to the largest
         self.bucket_numel = world * self.chunk if self.sharded else per_rank[0]
         self._offsets: list[int] = []  # where each parameter sits in `pending`
@@ -72,7 +80,6 @@ class ReplicatedParams:
         for (_, p), o in zip(params, owners, strict=True):
             self._offsets.append(o * self.chunk + filled[o] if self.sharded else filled[0])
             filled[o] += p.numel()
-        self.numel = sum(per_rank)
         self._fresh = [False] * len(params)  # p.grad was None when autograd got our zeros: drop what it made
         ref = weakref.ref(self)  # weak: autograd and the optimizer keep hooks out of the gc's sight
         if group is not None and params:
@@ -159,7 +166,7 @@ class ReplicatedParams:
         device = self.params[0][1].device
         mine = torch.zeros(self.chunk, dtype=torch.float32, device=device)
         if owned:
-            torch.cat([p.detach().reshape(-1) for p in owned], out=mine[:sum(p.numel() for p in owned)])
+            torch.cat([p.detach().reshape(-1) for p in owned], out=mine[:self.owned_numel])
         full = torch.empty(self.bucket_numel, dtype=torch.float32, device=device)
         all_gather_into(full, mine, self.group, self.counter, label="adapters")
         with torch.no_grad():

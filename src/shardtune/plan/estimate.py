@@ -240,15 +240,13 @@ def adapter_runs(stats: ModelStats, s: Setup) -> tuple[int, int]:
     """(numel of the adapters whose gradient and AdamW state this rank holds at most, numel of the fp32 bucket of
     local sums): every adapter and one bucket of all of them, or (shard_adapter_states over 2+ ranks) the largest
     rank's contiguous run M and the padded bucket W·M (engine/replicated.py, the same partition)."""
-    from shardtune.engine.replicated import partition
+    from shardtune.engine.replicated import partition, run_sizes
 
     sizes = stats.lora_sizes()
     if not (s.shard_adapter_states and s.world > 1):
         return sum(sizes), sum(sizes)
-    per_rank = [0] * s.world
-    for n, owner in zip(sizes, partition(sizes, s.world), strict=True):
-        per_rank[owner] += n
-    return max(per_rank), s.world * max(per_rank)
+    largest = max(run_sizes(sizes, partition(sizes, s.world), s.world))
+    return largest, s.world * largest
 
 
 def estimate(stats: ModelStats, s: Setup) -> Estimate:

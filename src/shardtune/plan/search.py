@@ -207,11 +207,13 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
         else [0]
     # engine.vocab_parallel (our backend): the recipe's setting, and on when it is off
     vps = sorted({s.vocab_parallel, plan.recipe.engine.backend == "shardtune" or s.vocab_parallel})
-    # engine.shard_adapter_states (our backend, LoRA): the recipe's setting, and on (the same bytes on the wire)
+    # engine.shard_adapter_states (our backend): the recipe's setting, and on (the same bytes on the wire); it
+    # changes nothing without LoRA, so those candidates take only the recipe's (no duplicate rows)
     sas = sorted({s.shard_adapter_states, plan.recipe.engine.backend == "shardtune" or s.shard_adapter_states})
+    loras_sas = [(lo, q, sa) for lo, q in loras for sa in (sas if lo else [s.shard_adapter_states])]
     out = []
-    for strategy, sched, ck, off, m, (lo, q), chunk, tile, vp, sa in itertools.product(
-            strategies, schedules, (False, True), (False, True), micro, loras, chunks, tiles, vps, sas):
+    for strategy, sched, ck, off, m, (lo, q, sa), chunk, tile, vp in itertools.product(
+            strategies, schedules, (False, True), (False, True), micro, loras_sas, chunks, tiles, vps):
         setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off, micro_batch=m,
                                     grad_accum=per_rank_batch // m, lora=lo, nf4=q, loss_chunk=chunk,
                                     nf4_tile_bytes=tile, backward_schedule=sched, vocab_parallel=vp,
