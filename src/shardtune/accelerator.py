@@ -112,16 +112,13 @@ def forget_host_group() -> None:
 
 
 def register_simulated_backend() -> None:
-    """A fake process group for the meta device only: collectives on meta tensors complete at once and move
-    nothing; a CPU tensor is refused as NCCL refuses it. One process per rank; no rank waits on another."""
+    """A process group for the meta device only (simulated/process_group.py): collectives on meta tensors complete
+    at once and move nothing; what NCCL refuses is refused; every rank's collectives are matched in order."""
     if SIM_BACKEND.upper() in dist.Backend.backend_list or SIM_BACKEND in dist.Backend.backend_list:
         return
-    from torch._C._distributed_c10d import FakeProcessGroup
+    from shardtune.simulated.process_group import create_group
 
-    def create(common_opts: Any, backend_opts: Any) -> Any:
-        return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
-
-    dist.Backend.register_backend(SIM_BACKEND, create, extended_api=True, devices=["meta"])
+    dist.Backend.register_backend(SIM_BACKEND, create_group, extended_api=True, devices=["meta"])
     _simulate_pinned_memory()
     _simulate_host_reads()
 

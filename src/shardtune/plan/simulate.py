@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune import accelerator
+from shardtune.simulated.process_group import standing_in_for_world
 
 _HOST = threading.local()  # depth of HostMeta ops running now: their new storages are host memory
 
@@ -126,10 +127,13 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     train.prepare_for_ranks = lambda cfg, tok, *, seed, output_dir, rank: build_data(cfg, tok, seed=seed,
                                                                                     output_dir=output_dir)
     accelerator.register_simulated_backend()
+    alone = standing_in_for_world()  # the hybrid groups made during setup too: no peers to match against
+    alone.__enter__()
     dist.init_process_group(accelerator.SIM_BACKEND, store=dist.HashStore(), rank=0, world_size=world)
     try:
         yield
     finally:
+        alone.__exit__(None, None, None)
         dist.destroy_process_group()
         accelerator.forget_host_group()
         (accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks,
