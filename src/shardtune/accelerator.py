@@ -39,7 +39,7 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
                                      fused CPU kernel), else {"foreach": True}
   step_tensor(param, fused)          AdamW's `step` for `param`: on the param's device when fused (the fused CUDA
                                      kernel reads it as a device address), else a CPU scalar (torch's rule)
-  to_host(tensor) / item(tensor)     a blocking device-to-host read (zeros on the simulated device)
+  to_host(tensor, dtype, copy=) / item(tensor)   a blocking device-to-host read (zeros on the simulated device)
   copy_to_host(dst, src)             a non-blocking device-to-host copy into a host buffer
   synchronize(device)                wait for all queued device work (no-op on cpu)
   storage_writer(device, path) / storage_reader(device, path) / load_planner(device)   DCP storage: None (DCP's
@@ -153,10 +153,17 @@ class Trace:
     """
     entries: list[tuple] = field(default_factory=list)
     enabled: bool = True
+    listeners: list[Any] = field(default_factory=list)  # callables fed every entry (the allocator model)
 
     def add(self, *entry: Any) -> None:
         if self.enabled:
             self.entries.append(entry)
+        self.tell(*entry)
+
+    def tell(self, *entry: Any) -> None:
+        """To the listeners only, not the record: ("record_stream", stream, storage id)."""
+        for listen in self.listeners:
+            listen(entry)
 
     def clear(self) -> None:
         self.entries.clear()
@@ -253,6 +260,8 @@ def new_event(device: torch.device) -> Any:
 def record_stream(tensor: torch.Tensor, stream: Any) -> None:
     if isinstance(stream, torch.cuda.Stream):
         tensor.record_stream(stream)
+    elif isinstance(stream, SimStream):  # the allocator model (simulated/allocator.py) holds the block back
+        TRACE.tell("record_stream", stream.name, id(tensor.untyped_storage()))
 
 
 def note(device: torch.device, op: str, label: str = "") -> None:
@@ -325,11 +334,12 @@ def step_tensor(param: torch.Tensor, *, fused: bool, value: torch.Tensor | float
 
 
 # -- host reads ------------------------------------------------------------------------------------------------------
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A blocking copy to the host (a sync point on CUDA). Simulated: zeros, a meta tensor has no values."""
+def to_host(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = False) -> torch.Tensor:
+    """A blocking copy to the host (a sync point on CUDA); `copy`: a new tensor even when `tensor` is on the host
+    already. Simulated: zeros, a meta tensor has no values."""
     if tensor.is_meta:
-        return torch.zeros(tensor.shape, dtype=tensor.dtype)
-    return tensor.cpu()
+        return torch.zeros(tensor.shape, dtype=dtype or tensor.dtype)
+    return tensor.to("cpu", dtype, copy=copy)
 
 
 def item(tensor: torch.Tensor) -> float:

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from shardtune import accelerator
 from shardtune.engine.api import ShardedModel
 from shardtune.lora import is_adapter, lora_config, save_adapter
 
@@ -42,7 +43,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     """A whole CPU copy of a parameter; collective for FSDP2's DTensors (every rank calls it in the same order)."""
     if isinstance(p, DTensor):
         p = p.full_tensor()
-    return p.detach().to("cpu", torch.float32, copy=True)
+    return accelerator.to_host(p.detach(), torch.float32, copy=True)
 
 
 def param_shapes(model: PreTrainedModel) -> dict[str, dict[str, Any]]:

@@ -132,8 +132,9 @@ class CpuMemoryTracker(TorchDispatchMode):
                 ref = self._refs.get(key)
                 st = ref() if ref is not None else None
                 if st is not None and key in self._sizes and st.nbytes() != self._sizes[key]:
-                    self._add(key, st.nbytes() - self._sizes[key])
-                    self._sizes[key] = st.nbytes()
+                    delta = st.nbytes() - self._sizes[key]
+                    self._sizes[key] = st.nbytes()  # before _add: a subclass reads the new size there
+                    self._add(key, delta)
 
     def _update_tensor(self, t: torch.Tensor) -> None:
         st = _data_storage(t)

@@ -141,10 +141,10 @@ class ShardtuneModel:
                     all_gather_into(full, flat.shard.to(self.ctx.device), self.ctx.shard_group, self.ctx.counter,
                                     label=flat.label)
                 if rank0 and isinstance(flat, QuantizedFlat):
-                    yield from ((n, t.to("cpu", copy=True)) for n, t in flat.dequantized(full))  # what compute sees
+                    yield from ((n, accelerator.to_host(t, copy=True)) for n, t in flat.dequantized(full))  # what compute sees
                 elif rank0:
                     for s in flat.slots:
-                        yield s.name, full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
+                        yield s.name, accelerator.to_host(full[s.offset:s.offset + s.numel].view(s.shape), copy=True)
                 free_storage(full)  # not `del`: a finished gloo work may still reference it (rank 0: yielded + 1 unit)
 
     # -- checkpoints (see state_dict.py): per-original-parameter keys, loadable at another world size ---------------

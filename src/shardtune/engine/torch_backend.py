@@ -75,7 +75,7 @@ class TorchShardedModel:
         for name, p in self.module.named_parameters():
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()  # collective per parameter
             if rank0:
-                yield name, full.detach().to("cpu", copy=True)
+                yield name, accelerator.to_host(full.detach(), copy=True)
             del full
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> dict[str, Any]:

@@ -95,6 +95,11 @@ class Simulation:
     analytic_host: int  # the plan's host bytes per rank
     wall_s: float
     micro_steps: int
+    # What CUDA's allocators would hold (simulated/allocator.py): the caching allocator's peaks (blocks rounded,
+    # segments, record_stream), and the pinned host pool's (power-of-two blocks unless configured otherwise).
+    allocated_peak: int = 0
+    reserved_peak: int = 0
+    pinned_reserved_peak: int = 0
 
     @property
     def ratio(self) -> float:
@@ -104,7 +109,10 @@ class Simulation:
         return {"world_size": self.world, "simulated_peak_bytes": self.device_peak,
                 "simulated_host_bytes": self.host_peak, "analytic_peak_bytes": self.analytic,
                 "analytic_host_bytes": self.analytic_host, "ratio": round(self.ratio, 4),
-                "wall_s": round(self.wall_s, 2), "micro_steps": self.micro_steps}
+                "wall_s": round(self.wall_s, 2), "micro_steps": self.micro_steps,
+                "allocator_allocated_peak_bytes": self.allocated_peak,
+                "allocator_reserved_peak_bytes": self.reserved_peak,
+                "pinned_reserved_peak_bytes": self.pinned_reserved_peak}
 
 
 @contextlib.contextmanager
@@ -149,8 +157,8 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     """One training step of the recipe on the simulated GPU; its peak beside the analytic plan's."""
     from shardtune.config.load import load_recipe
     from shardtune.engine.state_dict import init_optimizer_state
-    from shardtune.memory import CpuMemoryTracker
     from shardtune.plan.planner import make_plan
+    from shardtune.simulated.allocator import AllocatorTracker
     from shardtune.train import setup, train_step
 
     overrides = list(overrides or [])
@@ -166,17 +174,19 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
         init_optimizer_state(run.optimizer)  # the steady state: AdamW's moments exist from the first step on
         # No per-op recheck of every big storage (4x the step's time at 8B): the engine reports each in-place resize
         # (memory.storage_resized / free_storage). FSDP2 (engine.backend=torch) resizes without telling.
-        tracker = CpuMemoryTracker(device_type="meta", host=_is_host, recheck_min_bytes=sys.maxsize).start()
+        tracker = AllocatorTracker(host=_is_host, recheck_min_bytes=sys.maxsize).start()
         try:
             run.model.train()
             train_step(run, 0, tracker)
         finally:
             tracker.stop()
         device_peak, host_peak = tracker.peak_bytes(), tracker.host_peak_bytes()
+        books = (tracker.device.peak_allocated, tracker.device.peak_reserved, tracker.pinned.peak_reserved)
         del run
     return Simulation(world=world, device_peak=device_peak, host_peak=host_peak, analytic=analytic,
                       analytic_host=analytic_host,
-                      wall_s=time.perf_counter() - t0, micro_steps=micro)
+                      wall_s=time.perf_counter() - t0, micro_steps=micro, allocated_peak=books[0],
+                      reserved_peak=books[1], pinned_reserved_peak=books[2])
 
 
 def summary(sim: Simulation) -> str:
@@ -185,4 +195,7 @@ def summary(sim: Simulation) -> str:
             f"{sim.device_peak / gib:.2f} GiB vs plan {sim.analytic / gib:.2f} GiB (ratio {sim.ratio:.3f})")
     if sim.host_peak or sim.analytic_host:
         line += f"; host {sim.host_peak / gib:.2f} GiB vs plan {sim.analytic_host / gib:.2f} GiB"
+    line += f"; CUDA's caching allocator would reserve {sim.reserved_peak / gib:.2f} GiB"
+    if sim.pinned_reserved_peak:
+        line += f", its pinned host pool {sim.pinned_reserved_peak / gib:.2f} GiB"
     return line + f"; {sim.wall_s:.1f} s"

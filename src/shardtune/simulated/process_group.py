@@ -49,6 +49,13 @@ class RefusedTensor(RuntimeError):
 
 
 _SETTINGS = {"check_timeout_s": 60.0, "alone": False}
+_EPOCH = [0]  # bumped by new_epoch(): every group's sequence numbers start again
+
+
+def new_epoch() -> None:
+    """Start every group's sequence over, on every rank at the same point (after a host barrier): a test that
+    runs several settings in one start keeps checking after a setting that failed part-way through."""
+    _EPOCH[0] += 1
 
 
 def set_check_timeout(seconds: float) -> None:
@@ -107,7 +114,7 @@ class CheckedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._store, self._rank, self._size = store, rank, size
         self._name, self._global_ranks, self._alone = name, global_ranks or list(range(size)), alone
-        self._seq = 0
+        self._seq, self._epoch = 0, _EPOCH[0]
 
     # -- identity (what dist and the functional collectives read) ----------------------------------------------------
     @property
@@ -145,12 +152,14 @@ class CheckedGroup(dist.ProcessGroup):
 
     def _match(self, op: str, site: str, tensors: Sequence[torch.Tensor], **extra: Any) -> None:
         """Rendezvous through the group's store: every rank's fingerprint for this sequence number must agree."""
+        if self._epoch != _EPOCH[0]:
+            self._epoch, self._seq = _EPOCH[0], 0
         seq, self._seq = self._seq, self._seq + 1
         if self._alone or self._size == 1:
             return
         mine = json.loads(json.dumps({"op": op, "group": [self._name, self._global_ranks],
                                       "tensors": [_describe(t) for t in tensors], **extra}))  # as peers read it
-        prefix = f"simgpu-check/{seq}/"
+        prefix = f"simgpu-check/{self._epoch}/{seq}/"
         self._store.set(prefix + str(self._rank), json.dumps({**mine, "site": site}))
         keys = [prefix + str(r) for r in range(self._size)]
         timeout = _SETTINGS["check_timeout_s"]

@@ -1,0 +1,120 @@
+"""The settings matrix: every pair of values of the settings below runs a step, a save, a resume and a second step
+on the simulated GPU (every rank a process, every collective checked across ranks: simulated/process_group.py),
+through the same recipe -> engine path as `train` (recipe overrides on tiny-cpu, `train.setup`).
+
+The rows are an all-pairs covering array (pairwise.py). A row the product refuses (`load_recipe` raises the
+UserError `shardtune validate` prints) is not run: test_matrix.py asserts the refusal through the executable.
+Rows of one world size run in one start of ranks; each row's outcome (None, or the failing rank's traceback) is
+written to a file per rank, so one failing row does not hide the others (test_matrix.py reports them per row).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from shardtune import accelerator
+from shardtune import train as T
+from shardtune.config.load import load_recipe
+from shardtune.errors import UserError
+from shardtune.export import save_final
+from shardtune.simulated.process_group import new_epoch, set_check_timeout
+from tests.simulated.pairwise import Row, all_pairs
+
+FACTORS: dict[str, list[Any]] = {
+    "world": [1, 2, 4, 8],
+    "strategy": ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"],
+    "precision": ["fp32", "bf16"],
+    "reduce_dtype": ["fp32", "bf16"],
+    "checkpointing": [False, True],
+    "offload": [False, True],
+    "tuning": ["full", "lora", "qlora"],
+    "vocab_parallel": [True, False],
+    "shard_adapter_states": [True, False],
+    "backend": ["shardtune", "torch"],
+    "objective": ["sft", "dpo"],
+}
+# Tiny and short: 1 micro-batch of 1 row per rank per step, 32 tokens.
+BASE = ("data.num_samples=48", "data.seq_len=32", "data.eval_fraction=0.1", "train.micro_batch_size=1",
+        "train.max_steps=2", "train.warmup_steps=0", "train.save_every=0", "train.demo_eval=false",
+        "train.keep_last=0")
+TUNING = {"full": (), "lora": ("lora.enabled=true", "lora.r=4", "lora.alpha=8"),
+          "qlora": ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.quantize_base=nf4")}
+DPO = ("train.objective=dpo", "data.format=preference", "data.path=builtin:prefer-reverse")
+
+
+def overrides(row: Row) -> list[str]:
+    """The recipe overrides a user would write for `row` (beside BASE)."""
+    out = [f"engine.strategy={row['strategy']}", f"engine.mixed_precision={row['precision']}",
+           f"engine.reduce_dtype={row['reduce_dtype']}", f"engine.activation_checkpointing={row['checkpointing']}",
+           f"engine.cpu_offload={row['offload']}", f"engine.vocab_parallel={row['vocab_parallel']}",
+           f"engine.shard_adapter_states={row['shard_adapter_states']}", f"engine.backend={row['backend']}",
+           *TUNING[row["tuning"]], *(DPO if row["objective"] == "dpo" else ())]
+    if row["strategy"] == "hybrid_shard":  # 2 replicas of W/2 ranks: 2x2 at W=4, 2x4 at W=8
+        out.append(f"engine.hybrid_shard_size={max(1, row['world'] // 2)}")
+    return out
+
+
+def refusal(row: Row) -> str | None:
+    """The product's own answer: the one line `shardtune validate` prints for this row, or None."""
+    try:
+        load_recipe("tiny-cpu", [*BASE, *overrides(row)])
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def row_id(row: Row) -> str:
+    return "-".join(f"{v}" if not isinstance(v, bool) else (k if v else f"no_{k}") for k, v in row.items())
+
+
+@functools.cache
+def covering_array() -> tuple[list[Row], list[tuple[Row, str]]]:
+    return all_pairs(FACTORS, refusal)
+
+
+# -- inside the ranks ------------------------------------------------------------------------------------------------
+def _build(out: Path, row: Row) -> T.Run:
+    cache = out.parent / f"data-cache-{row['objective']}"  # one tokenized cache per data set for a start
+    recipe = load_recipe("tiny-cpu", [f"train.output_dir={out}", f"data.cache_dir={cache}", *BASE, *overrides(row)])
+    return T.setup(recipe, simulated=True)
+
+
+def step_save_resume(row: Row, out: Path) -> None:
+    run = _build(out, row)
+    assert run.rt.device == accelerator.SIMULATED and run.rt.world_size == row["world"]
+    record = T.train_step(run, 0, None)
+    assert record["step"] == 1 and (record["comm_bytes"] > 0 or row["world"] == 1), record
+    T.save_checkpoint(run, 1)
+    assert (out / "checkpoints" / "step_1" / ".metadata").is_file()
+    assert T.resume(run) == 1
+    assert T.train_step(run, 1, None)["step"] == 2
+    final = out / "final"  # the export: gathered to rank 0 (collective, checked), written as HF or a PEFT adapter
+    save_final(run.sharded, run.model, run.tok, final, is_main=run.rt.is_main)
+    dist.barrier(group=accelerator.host_group())
+    written = load_file(next(final.glob("*.safetensors")))  # zeros: a meta tensor holds no values
+    want = {n: s["shape"] for n, s in run.shapes.items()} if row["tuning"] == "full" else None
+    assert written and (want is None or {n: list(t.shape) for n, t in written.items()} == want), sorted(written)
+
+
+def run_rows(base: str, rows: list[Row], results: str) -> None:
+    """Each row in turn on this rank; its outcome recorded whatever happens, then every rank in step again."""
+    set_check_timeout(20.0)  # a rank that skips a collective: the others report it after 20 s, not a hang
+    outcome: dict[str, str | None] = {}
+    for row in rows:
+        torch.manual_seed(0)
+        accelerator.TRACE.clear()
+        try:
+            step_save_resume(row, Path(base) / row_id(row))
+            outcome[row_id(row)] = None
+        except Exception:
+            outcome[row_id(row)] = traceback.format_exc()[-3000:]
+        dist.barrier(group=accelerator.host_group())
+        new_epoch()  # a row that failed part-way left the groups' sequences apart: start them over
+    Path(results, f"rank{dist.get_rank()}.json").write_text(json.dumps(outcome))

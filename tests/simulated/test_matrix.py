@@ -1,0 +1,59 @@
+"""The settings matrix on the simulated GPU (matrix.py): every pair of settings runs a step, a save, a resume and
+a second step, every rank a process, every collective matched across ranks. One start of ranks per world size;
+each row is its own test, reading its outcome from that start."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.simulated import matrix
+from tests.simulated.harness import run_simulated
+
+ROWS, REFUSED = matrix.covering_array()
+KNOWN: dict[str, str] = {}  # row id -> why it is expected to fail (the defect and the branch fixing it)
+_OUTCOMES: dict[int, dict[str, str | None]] = {}
+
+
+def _outcomes(world: int, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    if world not in _OUTCOMES:
+        base = tmp_path_factory.mktemp(f"matrix-w{world}")
+        results = base / "results"
+        results.mkdir()
+        rows = [r for r in ROWS if r["world"] == world]
+        run_simulated(matrix.run_rows, world, [{"base": str(base), "rows": rows, "results": str(results)}])
+        per_rank = [json.loads(p.read_text()) for p in sorted(results.glob("rank*.json"))]
+        assert len(per_rank) == world
+        _OUTCOMES[world] = {rid: next((r[rid] for r in per_rank if r[rid] is not None), None) for rid in per_rank[0]}
+    return _OUTCOMES[world]
+
+
+def _param(row: matrix.Row):
+    rid = matrix.row_id(row)
+    marks = [pytest.mark.xfail(strict=True, reason=KNOWN[rid])] if rid in KNOWN else []
+    return pytest.param(row, id=rid, marks=marks)
+
+
+def test_every_pair_is_covered():
+    runs = {(a, r[a], b, r[b]) for r in ROWS for a in matrix.FACTORS for b in matrix.FACTORS if a < b}
+    want = {(a, va, b, vb) for a in matrix.FACTORS for b in matrix.FACTORS if a < b
+            for va in matrix.FACTORS[a] for vb in matrix.FACTORS[b]}
+    refused = {(a, r[a], b, r[b]) for r, _ in REFUSED for a in r for b in r if a < b}
+    assert want - runs <= refused and len(ROWS) <= 25
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in sorted(ROWS, key=lambda r: r["world"])])
+def test_row_runs_on_the_simulated_gpu(row, tmp_path_factory):
+    failure = _outcomes(row["world"], tmp_path_factory)[matrix.row_id(row)]
+    assert failure is None, f"{matrix.overrides(row)}:\n{failure}"
+
+
+@pytest.mark.parametrize("row,reason", REFUSED or [pytest.param(None, None, marks=pytest.mark.skip("none refused"))])
+def test_refused_row_is_one_line_from_validate(row, reason):
+    shardtune = Path(sys.executable).with_name("shardtune")
+    res = subprocess.run([str(shardtune), "validate", "tiny-cpu", *matrix.BASE, *matrix.overrides(row)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and reason in res.stderr, res.stderr
