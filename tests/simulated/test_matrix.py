@@ -1,6 +1,7 @@
-"""The settings matrix on the simulated GPU (matrix.py): every pair of settings runs a step, a save, a resume and
-a second step, every rank a process, every collective matched across ranks. One start of ranks per world size;
-each row is its own test, reading its outcome from that start."""
+"""The settings matrix on the simulated GPU (matrix.py): every pair of settings runs a step, a save, a resume and an
+export, every rank a process, every collective matched across ranks, the step under CUDA's allocator model. One
+start of ranks per world size; each row is its own test, reading its outcome from that start. Rows that fail on a
+defect another branch fixes are strict xfails (matrix.known_failure)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ from tests.simulated import matrix
 from tests.simulated.harness import run_simulated
 
 ROWS, REFUSED = matrix.covering_array()
-KNOWN: dict[str, str] = {}  # row id -> why it is expected to fail (the defect and the branch fixing it)
 _OUTCOMES: dict[int, dict[str, str | None]] = {}
 
 
@@ -32,9 +32,9 @@ def _outcomes(world: int, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 def _param(row: matrix.Row):
-    rid = matrix.row_id(row)
-    marks = [pytest.mark.xfail(strict=True, reason=KNOWN[rid])] if rid in KNOWN else []
-    return pytest.param(row, id=rid, marks=marks)
+    reason = matrix.known_failure(row)
+    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    return pytest.param(row, id=matrix.row_id(row), marks=marks)
 
 
 def test_every_pair_is_covered():
@@ -43,6 +43,7 @@ def test_every_pair_is_covered():
             for va in matrix.FACTORS[a] for vb in matrix.FACTORS[b]}
     refused = {(a, r[a], b, r[b]) for r, _ in REFUSED for a in r for b in r if a < b}
     assert want - runs <= refused and len(ROWS) <= 25
+    assert {4, 8} <= {r["world"] for r in ROWS if r["strategy"] == "hybrid_shard"}  # hybrid 2x2 and 2x4
 
 
 @pytest.mark.parametrize("row", [_param(r) for r in sorted(ROWS, key=lambda r: r["world"])])
@@ -51,7 +52,7 @@ def test_row_runs_on_the_simulated_gpu(row, tmp_path_factory):
     assert failure is None, f"{matrix.overrides(row)}:\n{failure}"
 
 
-@pytest.mark.parametrize("row,reason", REFUSED or [pytest.param(None, None, marks=pytest.mark.skip("none refused"))])
+@pytest.mark.parametrize("row,reason", REFUSED)  # empty while the product runs every pair of these settings
 def test_refused_row_is_one_line_from_validate(row, reason):
     shardtune = Path(sys.executable).with_name("shardtune")
     res = subprocess.run([str(shardtune), "validate", "tiny-cpu", *matrix.BASE, *matrix.overrides(row)],

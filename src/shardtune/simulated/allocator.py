@@ -173,12 +173,21 @@ class DeviceAllocator:
             self.record_stream(entry[2], stream)
         if kind != "host_wait":
             self._point[stream] = self._point.get(stream, 0) + 1
+        if kind in ("host_wait", "wait_event", "wait_stream"):
+            self._process_events()
+
+    @property
+    def held_back(self) -> int:
+        """Freed blocks not yet back in a pool: a recorded stream has not passed its point."""
+        return len(self._waiting)
 
 
-def pinned_round_threshold() -> int | None:
-    """Bytes above which the pinned host allocator stops rounding to a power of two (None: it always rounds)."""
-    settings = torch._C._accelerator_getAllocatorSettings() if hasattr(torch._C, "_accelerator_getAllocatorSettings") \
-        else ""
+def pinned_round_threshold(settings: str | None = None) -> int | None:
+    """Bytes above which the pinned host allocator stops rounding to a power of two (None: it always rounds).
+    `settings`: torch's allocator settings string (default: the process's, where the product sets them)."""
+    if settings is None:
+        get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+        settings = get() if get is not None else ""
     for item in settings.split(","):
         name, _, value = item.partition(":")
         if name.strip() == "pinned_max_round_threshold_mb" and value.strip():
@@ -189,8 +198,8 @@ def pinned_round_threshold() -> int | None:
 class PinnedHostAllocator:
     """Power-of-two blocks (below the configured threshold), cached by size after their free."""
 
-    def __init__(self) -> None:
-        self._threshold = pinned_round_threshold()
+    def __init__(self, threshold: int | None = None) -> None:
+        self._threshold = threshold if threshold is not None else pinned_round_threshold()
         self._live: dict[int, int] = {}  # key -> block bytes
         self._cached: dict[int, int] = {}  # block bytes -> free blocks of that size
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
