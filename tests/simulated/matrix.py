@@ -24,6 +24,8 @@ from shardtune import train as T
 from shardtune.config.load import load_recipe
 from shardtune.errors import UserError
 from shardtune.export import save_final
+from shardtune.runtime import all_reduce_max
+from shardtune.signals import StopRequest
 from shardtune.simulated.allocator import AllocatorTracker
 from shardtune.simulated.process_group import new_epoch, set_check_timeout
 from tests.simulated.pairwise import Row, all_pairs
@@ -40,6 +42,7 @@ FACTORS: dict[str, list[Any]] = {
     "shard_adapter_states": [True, False],
     "backend": ["shardtune", "torch"],
     "objective": ["sft", "dpo"],
+    "grad_accum": [1, 2],
 }
 # Tiny and short: 1 micro-batch of 1 row per rank per step, 32 tokens.
 BASE = ("data.num_samples=48", "data.seq_len=32", "data.eval_fraction=0.1", "train.micro_batch_size=1",
@@ -56,7 +59,8 @@ def overrides(row: Row) -> list[str]:
            f"engine.reduce_dtype={row['reduce_dtype']}", f"engine.activation_checkpointing={row['checkpointing']}",
            f"engine.cpu_offload={row['offload']}", f"engine.vocab_parallel={row['vocab_parallel']}",
            f"engine.shard_adapter_states={row['shard_adapter_states']}", f"engine.backend={row['backend']}",
-           *TUNING[row["tuning"]], *(DPO if row["objective"] == "dpo" else ())]
+           f"train.grad_accum={row['grad_accum']}", *TUNING[row["tuning"]],
+           *(DPO if row["objective"] == "dpo" else ())]
     if row["strategy"] == "hybrid_shard":  # 2 replicas of W/2 ranks: 2x2 at W=4, 2x4 at W=8
         out.append(f"engine.hybrid_shard_size={max(1, row['world'] // 2)}")
     return out
@@ -77,7 +81,7 @@ def row_id(row: Row) -> str:
 
 # Beside the pairs: the issue's reproductions on our backend, each a row a user writes.
 _DEFAULTS = {"precision": "fp32", "reduce_dtype": "fp32", "checkpointing": False, "vocab_parallel": True,
-             "shard_adapter_states": True, "backend": "shardtune", "objective": "sft"}
+             "shard_adapter_states": True, "backend": "shardtune", "objective": "sft", "grad_accum": 1}
 EXTRA: list[Row] = [
     {"world": 4, "strategy": "hybrid_shard", **_DEFAULTS, "offload": True, "tuning": "full"},  # hybrid 2x2 + offload
 ]
@@ -124,12 +128,28 @@ def step_save_resume(row: Row, out: Path) -> None:
     T.save_checkpoint(run, 1)
     assert (out / "checkpoints" / "step_1" / ".metadata").is_file()
     assert T.resume(run) == 1  # every rank reads its shards and optimizer state back (DCP, checked collectives)
+    states_on_expected_devices(run)
+    # The training loop's other collectives, on the device: the stop agreement and the memory maximum.
+    assert not StopRequest().agreed(run.rt.device)
+    assert all_reduce_max(1.0, run.rt.device) == 0.0  # a host read of the simulated GPU gives zeros
     final = out / "final"  # the export: gathered to rank 0 (collective, checked), written as HF or a PEFT adapter
     save_final(run.sharded, run.model, run.tok, final, is_main=run.rt.is_main)
     dist.barrier(group=accelerator.host_group())
     written = load_file(next(final.glob("*.safetensors")))  # zeros: a meta tensor holds no values
     want = {n: s["shape"] for n, s in run.shapes.items()} if row["tuning"] == "full" else None
     assert written and (want is None or {n: list(t.shape) for n, t in written.items()} == want), sorted(written)
+
+
+def states_on_expected_devices(run: T.Run) -> None:
+    """Sharded states where the recipe puts them: the simulated GPU, or the host under offload of full fine-tuning
+    (adapters stay on the device); AdamW's step where its kernel reads it (accelerator.step_tensor)."""
+    on_host = run.recipe.engine.cpu_offload and not run.recipe.lora.enabled
+    for group in run.optimizer.param_groups:
+        for p in group["params"]:
+            assert p.device.type == ("cpu" if on_host else "meta"), p.device
+            state = run.optimizer.state[p]
+            assert state["exp_avg"].device == p.device
+            assert state["step"].device.type == (p.device.type if group.get("fused") else "cpu")
 
 
 def run_rows(base: str, rows: list[Row], results: str) -> None:

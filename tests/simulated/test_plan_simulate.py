@@ -30,3 +30,7 @@ def test_simulated_step_agrees_with_the_plan(recipe: str, overrides: list[str], 
     assert sim["simulated_peak_bytes"] > min_peak  # real allocations were counted
     assert abs(sim["simulated_peak_bytes"] / sim["analytic_peak_bytes"] - 1) <= 0.05, sim
     assert abs(sim["simulated_host_bytes"] - sim["analytic_host_bytes"]) <= 0.01 * sim["analytic_host_bytes"], sim
+    # CUDA's allocators over the same step (simulated/allocator.py): blocks rounded up, segments reserved, pinned
+    # host blocks rounded to powers of two.
+    assert sim["allocator_reserved_peak_bytes"] >= sim["allocator_allocated_peak_bytes"] >= sim["simulated_peak_bytes"]
+    assert sim["pinned_reserved_peak_bytes"] >= sim["simulated_host_bytes"]
