@@ -1,0 +1,32 @@
+"""The all-pairs generator behind the settings matrix (pairwise.py): every pair covered by an accepted row, a
+refused pair reported instead of run, and the array the same on every run."""
+from __future__ import annotations
+
+import itertools
+
+from tests.simulated.pairwise import all_pairs
+
+FACTORS = {"a": [1, 2, 3], "b": ["x", "y"], "c": ["p", "q"], "d": [0, 1, 2, 3]}
+
+
+def _covered(rows):
+    return {(n, r[n], m, r[m]) for r in rows for n, m in itertools.combinations(FACTORS, 2)}
+
+
+def test_every_pair_is_covered_in_few_rows():
+    rows, refused = all_pairs(FACTORS)
+    want = {(n, v, m, w) for n, m in itertools.combinations(FACTORS, 2) for v in FACTORS[n] for w in FACTORS[m]}
+    assert _covered(rows) == want and not refused
+    assert 12 <= len(rows) <= 16  # 3 x 4 = 12 is the least any array can have
+    assert rows == all_pairs(FACTORS)[0]  # seeded: the same rows every run
+
+
+def test_a_refused_pair_is_reported_and_never_run():
+    def refuse(row):
+        return "a=3 with b=y is refused" if (row["a"], row["b"]) == (3, "y") else None
+
+    rows, refused = all_pairs(FACTORS, refuse)
+    assert not any((r["a"], r["b"]) == (3, "y") for r in rows)
+    assert [(r["a"], r["b"]) for r, _ in refused] == [(3, "y")] and refused[0][1] == "a=3 with b=y is refused"
+    others = {(n, v, m, w) for n, m in itertools.combinations(FACTORS, 2) for v in FACTORS[n] for w in FACTORS[m]}
+    assert others - _covered(rows) == {("a", 3, "b", "y")}
