@@ -4,10 +4,11 @@ Three kinds of compute device:
   cpu    the host is the device: no streams (everything runs in program order), no pinned memory, gloo.
   cuda   plain torch.cuda: streams, events, pinned host buffers, NCCL.
   meta   the simulated GPU (tests/simulated, `plan --simulate`): the engine takes the GPU branch on meta tensors
-         (shapes, dtypes and devices, no bytes); a fake process group registered for the meta device only runs the
-         collectives without moving anything and rejects a CPU tensor exactly as NCCL does ("No backend type
-         associated with device type cpu"); streams and events are stand-ins that record, in order, what was issued
-         on which stream and what waited on what (`TRACE`). A meta tensor holds no values: a host read of one
+         (shapes, dtypes and devices, no bytes); a process group registered for the meta device only
+         (simulated/process_group.py) runs the collectives without moving anything, refuses what NCCL refuses (a
+         CPU tensor: "No backend type associated with device type cpu"; a non-contiguous one; wrong sizes) and
+         matches every collective across ranks in order; streams and events are stand-ins that record, in order,
+         what was issued on which stream and what waited on what (`TRACE`). A meta tensor holds no values: a host read of one
          (`to_host`, `item`, and under simulation `.item()` / `bool()` too) gives zeros. Host buffers cannot be
          pinned on a CPU build: under simulation the ones `host_empty` makes report `is_pinned()` True, as on
          CUDA (what ShardedTensor checks). Both stand-ins are installed by `register_simulated_backend`, never on
@@ -31,6 +32,7 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
   new_event(device)                  an event (None on cpu); .record(stream=None), .synchronize(), and
                                      stream.wait_event(event) / stream.wait_stream(other)
   record_stream(tensor, stream)      the allocator may reuse `tensor` only once `stream` is past this point
+                                     (simulated: told to the allocator model, simulated/allocator.py)
   note(device, op, label)            record an op issued on the current stream (simulated only; no-op elsewhere)
   tracked(work, device, label)       a collective's work whose wait() is recorded (simulated only)
   host_empty(numel, dtype, device)   a 1-D host buffer, pinned when the device is an accelerator

@@ -1,8 +1,10 @@
-"""Ranks on the simulated GPU (shardtune/accelerator.py): one process per rank, default group on the fake "simgpu"
-backend (meta tensors only: no bytes move, a CPU tensor is refused as NCCL refuses it) plus the gloo host group.
+"""Ranks on the simulated GPU (shardtune/accelerator.py): one process per rank, default group on the "simgpu"
+backend (shardtune/simulated/process_group.py: meta tensors only, no bytes move, what NCCL refuses is refused) plus
+the gloo host group.
 
-The ranks never wait on each other in the fake group's collectives, only on the host group (DCP's planning, the
-checkpoint's barriers), so a world of 8 costs 8 cheap processes. Settings run in a loop inside one start, as in
+At each collective the ranks of its group meet in the store and compare what they issued (op, shapes, dtypes,
+devices, call site), so a skipped or mismatched collective fails with both sides named; a world of 8 costs 8 cheap
+processes. Settings run in a loop inside one start, as in
 tests/distributed/harness.py; the simulated GPU's record (accelerator.TRACE) is cleared before each.
 """
 from __future__ import annotations

@@ -61,6 +61,8 @@ def refused_tensors() -> None:
         (lambda: dist.reduce_scatter_single(torch.zeros(4, device=SIM),
                                             torch.zeros(4 * world, device=SIM, dtype=torch.bfloat16), group=group),
          "dtypes differ"),
+        (lambda: dist.all_gather([torch.zeros(3, device=SIM) for _ in range(world)], torch.zeros(4, device=SIM),
+                                 group=group), f"needs {world} outputs of numel 4"),
     ]
     for call, words in cases:
         with pytest.raises(RefusedTensor) as e:
@@ -73,6 +75,7 @@ def matching_collectives_pass() -> None:
     group, world = _fresh_group(), dist.get_world_size()
     dist.all_gather_single(torch.zeros(4 * world, device=SIM), torch.zeros(4, device=SIM), group=group)
     dist.reduce_scatter_single(torch.zeros(4, device=SIM), torch.zeros(4 * world, device=SIM), group=group)
+    dist.all_gather([torch.zeros(4, device=SIM) for _ in range(world)], torch.zeros(4, device=SIM), group=group)
     dist.barrier(group=group)
 
 

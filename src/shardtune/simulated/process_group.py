@@ -218,24 +218,22 @@ class CheckedGroup(dist.ProcessGroup):
         return _done(output)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        flat = [t for lst in outputs for t in lst]
-        site = self._checked("all_gather", [*inputs, *flat])
-        self._same_dtype("all_gather", site, [*inputs, *flat])
-        for lst, inp in zip(outputs, inputs, strict=True):
-            if len(lst) != self._size or any(t.numel() != inp.numel() for t in lst):
-                self._refuse("all_gather", site, f"needs {self._size} outputs of numel {inp.numel()}, got "
-                                                 f"{[t.numel() for t in lst]}")
+        self._one_per_rank("all_gather", inputs, outputs, "outputs")
         return _done(outputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        flat = [t for lst in inputs for t in lst]
-        site = self._checked("reduce_scatter", [*outputs, *flat])
-        self._same_dtype("reduce_scatter", site, [*outputs, *flat])
-        for out, lst in zip(outputs, inputs, strict=True):
-            if len(lst) != self._size or any(t.numel() != out.numel() for t in lst):
-                self._refuse("reduce_scatter", site, f"needs {self._size} inputs of numel {out.numel()}, got "
-                                                     f"{[t.numel() for t in lst]}")
+        self._one_per_rank("reduce_scatter", outputs, inputs, "inputs")
         return _done(outputs)
+
+    def _one_per_rank(self, op: str, singles: list[torch.Tensor], lists: list[list[torch.Tensor]], what: str) -> None:
+        """The list forms: each of `singles` pairs with a list of one tensor per rank, each of its numel."""
+        flat = [t for lst in lists for t in lst]
+        site = self._checked(op, [*singles, *flat])
+        self._same_dtype(op, site, [*singles, *flat])
+        for one, lst in zip(singles, lists, strict=True):
+            if len(lst) != self._size or any(t.numel() != one.numel() for t in lst):
+                self._refuse(op, site, f"needs {self._size} {what} of numel {one.numel()}, got "
+                                       f"{[t.numel() for t in lst]}")
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                           input_splits: list[int], opts: Any = None) -> Any:
