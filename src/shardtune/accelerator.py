@@ -46,7 +46,7 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
   synchronize(device)                wait for all queued device work (no-op on cpu)
   storage_writer(device, path) / storage_reader(device, path) / load_planner(device)   DCP storage: None (DCP's
                                      file system, default planner) or, on the simulated device, storage that moves
-                                     no bytes and a planner that keeps meta tensors (checkpoint/null_storage.py)
+                                     no bytes and a planner that keeps meta tensors (simulated/null_storage.py)
 """
 from __future__ import annotations
 
@@ -359,7 +359,7 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 def storage_writer(device: torch.device, path: str) -> Any:
     if not is_simulated(device):
         return None  # DCP's own file system writer
-    from shardtune.checkpoint.null_storage import NullWriter
+    from shardtune.simulated.null_storage import NullWriter
 
     return NullWriter(path)
 
@@ -367,7 +367,7 @@ def storage_writer(device: torch.device, path: str) -> Any:
 def storage_reader(device: torch.device, path: str) -> Any:
     if not is_simulated(device):
         return None
-    from shardtune.checkpoint.null_storage import NullReader
+    from shardtune.simulated.null_storage import NullReader
 
     return NullReader(path)
 
@@ -375,6 +375,6 @@ def storage_reader(device: torch.device, path: str) -> Any:
 def load_planner(device: torch.device) -> Any:
     if not is_simulated(device):
         return None  # DCP's default
-    from shardtune.checkpoint.null_storage import NullLoadPlanner
+    from shardtune.simulated.null_storage import NullLoadPlanner
 
     return NullLoadPlanner()

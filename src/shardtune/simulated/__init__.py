@@ -1,2 +1,7 @@
-"""The simulated GPU: the pieces that stand in for CUDA and NCCL on the meta device (see shardtune/accelerator.py,
-the seam the product calls)."""
+"""The simulated GPU: what stands in for CUDA and NCCL on the meta device. The product calls the seam
+(shardtune/accelerator.py), never this package; the seam decides when these pieces run.
+
+  process_group.py   the "simgpu" backend: NCCL's refusals, every collective matched across ranks in order
+  allocator.py       CUDA's caching allocator and pinned host pool, modelled over a step's storages
+  null_storage.py    DCP storage that moves no bytes (checkpoints of meta tensors)
+"""
