@@ -72,3 +72,31 @@ def test_pinned_blocks_round_to_a_power_of_two_unless_configured():
     assert p.peak_reserved == 4 * MiB
     assert pinned_round_threshold("expandable_segments:True,pinned_max_round_threshold_mb:64") == 64 * MiB
     assert pinned_round_threshold("") is None
+
+
+def test_the_seam_tells_the_allocator_model_what_a_side_stream_holds():
+    """accelerator.record_stream on a simulated stream reaches the model: a meta tensor freed while the reduce
+    stream may read it stays reserved until the compute stream waits for that stream."""
+    import torch
+
+    from shardtune import accelerator
+    from shardtune.simulated.allocator import AllocatorTracker
+
+    sim = accelerator.SIMULATED
+    reduce = accelerator.new_stream(sim, "reduce")
+    tracker = AllocatorTracker().start()
+    try:
+        grad = torch.empty(3 * MiB, dtype=torch.float32, device=sim)  # 12 MiB on the compute stream
+        with accelerator.use_stream(reduce):
+            accelerator.note(sim, "reduce_scatter", "unit0")
+        accelerator.record_stream(grad, reduce)
+        del grad
+        assert tracker.device.held_back == 1 and tracker.live_bytes() == 0
+        kept = torch.empty(3 * MiB, dtype=torch.float32, device=sim)  # cannot take the held block: a new segment
+        assert tracker.device.reserved == 24 * MiB and kept.is_meta
+        accelerator.current_stream(sim).wait_stream(reduce)
+        assert tracker.device.held_back == 0
+        again = torch.empty(3 * MiB, dtype=torch.float32, device=sim)  # the held block, back in the pool
+        assert tracker.device.reserved == 24 * MiB and tracker.device.allocated == 24 * MiB and again.is_meta
+    finally:
+        tracker.stop()
