@@ -13,6 +13,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from shardtune.attention import attn_implementation
 from shardtune.config.schema import ModelConfig
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.templates import resolve_chat_template
@@ -45,7 +46,7 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     if cfg.init == "pretrained" and not any(Path(cfg.path).glob("*.safetensors")):  # type: ignore[arg-type]
         raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
     model = build_empty(lambda: AutoModelForCausalLM.from_config(
-        hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation))
+        hf_config, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation)))
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)

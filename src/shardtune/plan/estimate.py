@@ -21,8 +21,8 @@ Activations per decoder layer (HF Llama/Mistral/Qwen2 blocks, sdpa): what autogr
 on this exact code path (counted with torch.autograd.graph.saved_tensors_hooks, transformers 5.x, sdpa):
   two RMSNorms: fp32 compute saves input, normalised and output (3·4 B·h); bf16 saves the fp32 upcast, the
   bf16 normalised and output (4 + 2·2 B·h);  q (rotated), k, v (repeated to all heads when a packing mask
-  exists), attention output: 4 tensors;  MLP: gate, up, act(gate), act·up (4 × b·s·i);  the packing mask
-  b·s²; softmax log-sum-exp b·heads·s fp32; two rsqrt b·s fp32.
+  exists: eager only), attention output: 4 tensors;  MLP: gate, up, act(gate), act·up (4 × b·s·i);  the eager
+  packing mask b·s²; softmax log-sum-exp b·heads·s fp32; two rsqrt b·s fp32.
 Checkpointed units keep only their input (b·s·h) and recompute one unit's set during its backward.
 Under LoRA the frozen base changes that set (lora_norms_mlp_bytes).
 """
@@ -129,7 +129,9 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     c = _size(s.compute)
     bs = b * n
     q_dim = d.num_heads * d.head_dim
-    mask = s.packing  # HF builds a (b,1,s,s) mask for packed rows and then repeats k/v to every head
+    # sdpa runs one causal call per document (attention.py): no mask, k/v not repeated. eager: HF's (b,1,s,s) mask
+    # for packed rows, and k/v repeated to every head.
+    mask = s.packing and stats.recipe.model.attn_implementation == "eager"
     kv_dim = q_dim if mask else d.num_kv_heads * d.head_dim
     attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
     if s.lora:
