@@ -24,6 +24,7 @@ from shardtune.engine.api import (
     ShardingStrategy,
 )
 from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import resolve_unit_classes
 from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora, is_adapter
@@ -65,6 +66,7 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
         nf4_tile_bytes=int(engine.nf4_tile_mb * (1 << 20)) if quantize_base == "nf4" else 0,
         vocab_parallel=engine.vocab_parallel,  # each backend applies it only with a shard group of 2+ ranks
         shard_replicated_states=engine.shard_adapter_states,
+        offload_activations=engine.offload_activations,
     )
 
 
@@ -89,8 +91,9 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     #    the checkpointed region, and the recompute runs on the gather the backward needs anyway.
     ac = engine.activation_checkpointing
     if ac is not False:
+        offloader = ActivationOffloader(device) if policy.offload_activations else None
         apply_activation_checkpointing(model, policy.unit_classes, every_k=1 if ac is True else int(ac),
-                                       min_unit_params=policy.min_unit_params)
+                                       min_unit_params=policy.min_unit_params, offloader=offloader)
     # 3. Shard last: it flattens parameters into per-unit buffers (anything after would see views, not parameters).
     #    Parameters still on meta (model.init=pretrained, or a random init built with sharded_init) are filled here:
     #    our engine fills each rank's shards only (from the files, or drawn one module at a time).

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from shardtune import accelerator
 from shardtune.engine.api import BackwardSchedule
+from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.shard import shard_model
 from tests.distributed.common import build_model, policy_for, token_loss_sum
 
@@ -98,6 +100,32 @@ def backward_overlaps_like_fsdp2() -> None:
     # apart.
     for wait, gather, next_rs in _backward_order(BackwardSchedule.STAGGERED):
         assert wait < gather < next_rs, (wait, gather, next_rs)
+
+
+def activation_offload_on_copy_stream() -> None:
+    """engine.offload_activations: each checkpointed unit's input goes D2H on the offload stream in forward and comes
+    back H2D on it ahead of its recompute; the compute stream waits on each fetch's event (recorded before the wait),
+    never on a whole stream, and the host never waits."""
+    model = build_model("tiny-llama")
+    policy = policy_for(model, "full_shard", world=dist.get_world_size())
+    offloader = ActivationOffloader(SIM)
+    units = len(apply_activation_checkpointing(model, policy.unit_classes, offloader=offloader))
+    sharded = shard_model(model, policy, device=SIM)
+    ids = torch.randint(3, 128, (1, 16), device=SIM)
+    accelerator.TRACE.clear()
+    token_loss_sum(sharded.module, ids, ids).backward()
+    trace = list(accelerator.TRACE.entries)
+    d2h = _index(trace, lambda e: e[0] == "op" and e[2] == "d2h" and e[3] == "activation")
+    h2d = _index(trace, lambda e: e[0] == "op" and e[2] == "h2d" and e[3] == "activation")
+    assert len(d2h) == len(h2d) == units and max(d2h) < min(h2d), (d2h, h2d)
+    assert {trace[i][1] for i in d2h + h2d} == {"activation-offload"}
+    fetched = {trace[i + 1][2]: i + 1 for i in h2d}  # the event recorded right after each H2D copy
+    assert all(trace[i][0] == "record" and trace[i][1] == "activation-offload" for i in fetched.values())
+    waits = {e[2]: i for i, e in enumerate(trace) if e[0] == "wait_event" and e[1] == "compute" and e[2] in fetched}
+    assert len(waits) == units and all(fetched[ev] < i for ev, i in waits.items())
+    assert offloader.num_fetched_ahead == units - 1  # every unit but the last-run one was fetched ahead
+    assert not [e for e in trace if e[0] == "wait_stream" and e[1] == "compute"], "compute waited on a stream"
+    assert not [e for e in trace if e[0] == "host_wait"], "the host waited"
 
 
 def run_checks(names: list[str]) -> None:

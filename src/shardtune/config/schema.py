@@ -92,6 +92,10 @@ class EngineConfig:
     # adapters (reduce-scatter, step, all-gather: the all-reduce's bytes); the adapters' values stay whole on every
     # rank. -12·N·(W-1)/W bytes per rank for N adapter params. false: every rank steps every adapter (all-reduce).
     shard_adapter_states: bool = True
+    # The inputs activation checkpointing keeps go to pinned host memory during forward and come back ahead of each
+    # unit's recompute (engine/offload_activations.py): -b·s·h per checkpointed unit on the device, the same bytes
+    # on the host and twice over PCIe (overlapped). Needs engine.activation_checkpointing.
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")
@@ -105,6 +109,8 @@ class EngineConfig:
         ac = self.activation_checkpointing
         _check(isinstance(ac, (bool, int)) and (isinstance(ac, bool) or ac >= 1), "engine.activation_checkpointing",
                f"must be true, false or an integer k >= 1 (every k-th unit), got {ac!r}")
+        _check(not self.offload_activations or ac is not False, "engine.offload_activations",
+               "offloads what activation checkpointing keeps: set engine.activation_checkpointing=true too")
         w = self.wrap
         _check(w == "auto" or (isinstance(w, (list, tuple)) and all(isinstance(x, str) for x in w)) or
                (isinstance(w, int) and not isinstance(w, bool) and w > 0),

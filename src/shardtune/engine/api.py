@@ -71,6 +71,9 @@ class ShardingPolicy:
     # Replicated params: each rank holds the gradient and AdamW state of its own contiguous run of them only
     # (engine/replicated.py: reduce-scatter, step, all-gather after the optimizer step). False: all of them.
     shard_replicated_states: bool = False
+    # The inputs activation checkpointing keeps live in pinned host memory between a unit's forward and its recompute
+    # (engine/offload_activations.py; applied with checkpointing, before sharding, by either backend).
+    offload_activations: bool = False
 
 
 class ShardedModel(Protocol):
