@@ -2,7 +2,9 @@
 
 Transforms run in a fixed order, and the order matters:
   1. inject LoRA (peft replaces Linear modules, so units and frozen flags must see the final module tree),
-  2. activation checkpointing (wraps whole units; the engine's hooks then see one checkpointed call per unit),
+  2. the MLPs chunked over the sequence (engine.mlp_chunk_tokens: a forward swap inside each unit, so it sits
+     inside the unit's checkpoint and its recompute),
+     then activation checkpointing (wraps whole units; the engine's hooks then see one checkpointed call per unit),
   3. shard (flattens parameters into per-unit buffers; anything after this would see views, not parameters).
 """
 from __future__ import annotations
@@ -25,10 +27,11 @@ from shardtune.engine.api import (
 )
 from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.offload_activations import ActivationOffloader
-from shardtune.engine.wrap import resolve_unit_classes
+from shardtune.engine.wrap import find_units, resolve_unit_classes
 from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora, is_adapter
 from shardtune.seeded_init import init_full, init_into_shards
+from shardtune.tiled_mlp import apply_mlp_chunking
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -67,6 +70,7 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
         vocab_parallel=engine.vocab_parallel,  # each backend applies it only with a shard group of 2+ ranks
         shard_replicated_states=engine.shard_adapter_states,
         offload_activations=engine.offload_activations,
+        mlp_chunk_tokens=engine.mlp_chunk_tokens,
     )
 
 
@@ -87,8 +91,12 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     if engine.cpu_offload and not accelerator.is_accelerator(device):
         warnings.warn("engine.cpu_offload=true saves no memory on a CPU run (params, grads and optimizer state are "
                       "already on the host); the offload path still runs", stacklevel=2)
-    # 2. Activation checkpointing wraps whole units' forwards before sharding: the engine's hooks then sit outside
+    # 2. The MLPs chunked over the sequence inside each unit (their chunks checkpointed), then activation
+    #    checkpointing wraps whole units' forwards before sharding: the engine's hooks then sit outside
     #    the checkpointed region, and the recompute runs on the gather the backward needs anyway.
+    if policy.mlp_chunk_tokens:
+        apply_mlp_chunking(find_units(model, policy.unit_classes, policy.min_unit_params),
+                           chunk_tokens=policy.mlp_chunk_tokens)
     ac = engine.activation_checkpointing
     if ac is not False:
         offloader = ActivationOffloader(device) if policy.offload_activations else None

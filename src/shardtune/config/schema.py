@@ -96,6 +96,9 @@ class EngineConfig:
     # unit's recompute (engine/offload_activations.py): -b·s·h per checkpointed unit on the device, the same bytes
     # on the host and twice over PCIe (overlapped). Needs engine.activation_checkpointing.
     offload_activations: bool = False
+    # Each decoder block's MLP runs over chunks of this many tokens of the micro-batch (tiled_mlp.py): its b·s·i
+    # intermediates exist one chunk at a time, for one more MLP forward per step. 0 = off (the whole sequence).
+    mlp_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")
@@ -111,6 +114,8 @@ class EngineConfig:
                f"must be true, false or an integer k >= 1 (every k-th unit), got {ac!r}")
         _check(not self.offload_activations or ac is not False, "engine.offload_activations",
                "offloads what activation checkpointing keeps: set engine.activation_checkpointing=true too")
+        _check(isinstance(self.mlp_chunk_tokens, int) and self.mlp_chunk_tokens >= 0, "engine.mlp_chunk_tokens",
+               f"must be an integer >= 0 (0: off), got {self.mlp_chunk_tokens!r}")
         w = self.wrap
         _check(w == "auto" or (isinstance(w, (list, tuple)) and all(isinstance(x, str) for x in w)) or
                (isinstance(w, int) and not isinstance(w, bool) and w > 0),

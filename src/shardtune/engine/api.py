@@ -74,6 +74,9 @@ class ShardingPolicy:
     # The inputs activation checkpointing keeps live in pinned host memory between a unit's forward and its recompute
     # (engine/offload_activations.py; applied with checkpointing, before sharding, by either backend).
     offload_activations: bool = False
+    # Each unit's `mlp` runs over chunks of this many tokens (tiled_mlp.py; a model transform before checkpointing,
+    # either backend). 0: off.
+    mlp_chunk_tokens: int = 0
 
 
 class ShardedModel(Protocol):

@@ -40,6 +40,15 @@ from shardtune.plan.stats import DTYPES, ModelStats
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
 
 
+AHEAD = 2  # engine/offload_activations.py: offloaded unit inputs fetched ahead of their recompute
+
+
+def pinned_bytes(n: int, s: Setup) -> int:
+    """A pinned host buffer of n bytes: CUDA's host caching allocator rounds each block up to a power of two. A CPU
+    run's host buffers are plain allocations."""
+    return n if s.device_is_cpu or n <= 0 else 1 << (n - 1).bit_length()
+
+
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
@@ -72,6 +81,7 @@ class Setup:
     split_tables: bool = False  # engine.vocab_parallel on FSDP2: the untied embedding and head are units of their own
     shard_adapter_states: bool = False  # engine.shard_adapter_states (engine/replicated.py, our backend)
     backend: str = "shardtune"  # engine.backend: FSDP2 shards the adapters like any parameter (no bucket)
+    offload_activations: bool = False  # engine.offload_activations (engine/offload_activations.py)
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -89,7 +99,8 @@ class Setup:
                    nf4_tile_bytes=int(e.nf4_tile_mb * (1 << 20)) if e.backend == "shardtune" else 0,
                    vocab_parallel=e.vocab_parallel and e.backend == "shardtune",
                    split_tables=e.vocab_parallel and e.backend == "torch",
-                   shard_adapter_states=e.shard_adapter_states and e.backend == "shardtune", backend=e.backend)
+                   shard_adapter_states=e.shard_adapter_states and e.backend == "shardtune", backend=e.backend,
+                   offload_activations=e.offload_activations)
 
     @property
     def shard_size(self) -> int:
@@ -294,7 +305,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         grads_prev = adapters_prev + (4 * train_shard if s.sync_every_microstep else
                                       sum(4 * u.trainable.padded_numel for u in units if u.trainable))
     host_per_rank = 0
-    if s.offload:  # model states move to the host; the device keeps what is gathered and in flight
+    if s.offload:  # (activations offloaded to the host are added below)  # model states move to the host; the device keeps what is gathered and in flight
         host_per_rank = states_params - 4 * lora_p + grads_full - 4 * lora_own + opt - 8 * lora_own
         dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_own, 8 * lora_own
         grads_prev = adapters_prev if s.sync_every_microstep else grads_prev
@@ -310,7 +321,13 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     ck = s.checkpointing
     every = 0 if ck is False else (1 if ck is True else int(ck))
     ckpt = [bool(every) and i % every == 0 for i in range(L)]  # units 0, k, 2k, ... (engine/checkpointing.py)
-    saved = [bsh if c_ else per_layer for c_ in ckpt]  # a checkpointed unit keeps only its input
+    off = s.offload_activations and bool(every)
+    saved = [(0 if off else bsh) if c_ else per_layer for c_ in ckpt]  # a checkpointed unit keeps only its input
+    host_acts = sum(ckpt) * pinned_bytes(bsh, s) if off else 0  # ... on the host when offloaded
+
+    def fetched(i: int) -> int:
+        """Offloaded inputs on the device during unit i's backward: its own and the AHEAD earlier ones."""
+        return bsh * sum(ckpt[j] for j in range(max(0, i - AHEAD), i + 1)) if off else 0
     acts = sum(saved) + root_activation_bytes(stats, s)
     last_ckpt = bool(ckpt) and ckpt[-1]
     recompute = per_layer if last_ckpt else 0  # the last unit's full set, recomputed during its backward
@@ -390,7 +407,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     overlap = s.backward_schedule == "overlap"
 
     def unit_backward(i: int) -> dict[str, int]:
-        own = saved[i] + (per_layer if ckpt[i] else 0)
+        own = saved[i] + (per_layer if ckpt[i] else 0) + fetched(i)
         # engine/unit.py's schedules. Staggered: unit 1's reduction is retired before unit 0's backward; in any
         # other unit's MLP backward (its first half) the next unit's reduction is in flight and the previous unit
         # is gathered ahead only after it is retired (no reduction in flight: at once). Overlap (FSDP2's): the next
@@ -412,7 +429,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     nf4_extra = max(0, dequant - 2 * bsi)
     static = {"params": dev_params, "optimizer": dev_opt, "buffers": buffers}
     after_last_grad = {"gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
-                       "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)}
+                       "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer) + fetched(L - 1)}
     phases: dict[str, dict[str, int]] = {
         "forward-loss": {**static, "grads": grads_prev + bucket_prev, "gathered": held_fwd + offload_copy,
                          "activations": acts + ce_fwd},
@@ -460,6 +477,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     per_rank = {f"{k}_bytes": phases[peak].get(k, 0) for k in CATEGORIES}
     per_rank["total_bytes"] = totals[peak]
     ranks_per_node = max(1, s.world // s.nodes)
+    host_per_rank += host_acts
     return Estimate(per_rank=per_rank, peak_phase=peak, phases=totals, breakdown=phases, host_bytes=host_per_rank * ranks_per_node,
                     host_per_rank=host_per_rank, units=units,
                     trainable_params=lora_p if s.lora else stats.num_params, lora_params=lora_p)
