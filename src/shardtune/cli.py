@@ -110,6 +110,8 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
          png: Path | None = typer.Option(None, "--png", help="Write a stacked-bar chart (per phase) to this PNG "
                                          "(default: no chart)."),
          top: int = typer.Option(10, "--top", min=1, help="With --fit: how many candidates to show."),
+         max_seq: bool = typer.Option(False, "--max-seq", help="Print the longest data.seq_len at which the recipe, "
+                                      "as configured, fits (a multiple of 256; exit 3 if none) (default: off)."),
          simulate: bool = typer.Option(False, "--simulate", help="Run one real training step at full size on the "
                                        "simulated GPU (meta device, fake process group; rank 0 of the world) and "
                                        "print its measured peak beside the plan's, with --json as JSON; exit 0 "
@@ -128,6 +130,21 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
         typer.echo(json.dumps(sim.to_json(), indent=2) if json_out else summary(sim))
         raise typer.Exit(0)
     p = make_plan(recipe, overrides or [])
+    if max_seq:
+        from shardtune.plan.long_context import max_seq as longest
+
+        n, at = longest(p)
+        if json_out:
+            typer.echo(json.dumps({"max_seq_len": n, "peak_bytes": at.estimate.total if at else None,
+                                   "host_bytes": at.estimate.host_per_rank if at else None,
+                                   "capacity_bytes": p.capacity}))
+        elif at is None:
+            typer.echo(f"no data.seq_len fits {p.setup.world} x {p.hardware.key}, not even 256 tokens")
+        else:
+            typer.echo(f"longest data.seq_len that fits {p.setup.world} x {p.hardware.key}: {n:,} tokens "
+                       f"(peak {at.estimate.total / 2**30:.2f} GiB of {p.capacity / 2**30:.2f}; host "
+                       f"{at.estimate.host_per_rank / 2**30:.2f} GiB per rank)")
+        raise typer.Exit(0 if n else 3)
     if png is not None:
         write_png(p, png)
     if fit:

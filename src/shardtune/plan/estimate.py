@@ -82,6 +82,7 @@ class Setup:
     shard_adapter_states: bool = False  # engine.shard_adapter_states (engine/replicated.py, our backend)
     backend: str = "shardtune"  # engine.backend: FSDP2 shards the adapters like any parameter (no bucket)
     offload_activations: bool = False  # engine.offload_activations (engine/offload_activations.py)
+    mlp_chunk: int = 0  # engine.mlp_chunk_tokens (tiled_mlp.py): tokens per MLP chunk; 0: the whole sequence
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -100,7 +101,7 @@ class Setup:
                    vocab_parallel=e.vocab_parallel and e.backend == "shardtune",
                    split_tables=e.vocab_parallel and e.backend == "torch",
                    shard_adapter_states=e.shard_adapter_states and e.backend == "shardtune", backend=e.backend,
-                   offload_activations=e.offload_activations)
+                   offload_activations=e.offload_activations, mlp_chunk=e.mlp_chunk_tokens)
 
     @property
     def shard_size(self) -> int:
@@ -150,6 +151,8 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     else:
         norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
         mlp = 4 * bs * d.intermediate * c
+    if 0 < s.mlp_chunk < bs:  # tiled_mlp.py: one chunk's MLP set at a time (its recompute, then its backward)
+        mlp = mlp * s.mlp_chunk // bs
     extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
     if stats.recipe.model.attn_implementation == "eager":
         extra += b * d.num_heads * n * n * (4 + c)  # softmax output (fp32) and its cast, saved for backward
@@ -380,7 +383,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     last_cat, last_red = handoff(blocks[-1]) if blocks else (0, 0)
     root_cat, root_red = handoff(root)
     aliased_units = aliased and s.compute == DTYPES[stats.recipe.model.dtype] and not s.lora
-    bsi = s.micro_batch * s.seq_len * d.intermediate * c
+    bsi = min(s.micro_batch * s.seq_len, s.mlp_chunk or s.micro_batch * s.seq_len) * d.intermediate * c
     mlp_w_grad = d.hidden * d.intermediate * c if not s.lora else 0
     root_grad = 4 * root.trainable.shard_numel if root.trainable is not None and not s.offload else 0
     # The head's weight gradient, held from the loss to the root's reduction; vocab-parallel: the local rows' (fp32
