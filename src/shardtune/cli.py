@@ -111,7 +111,7 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
                                          "(default: no chart)."),
          top: int = typer.Option(10, "--top", min=1, help="With --fit: how many candidates to show."),
          max_seq: bool = typer.Option(False, "--max-seq", help="Print the longest data.seq_len at which the recipe, "
-                                      "as configured, fits (a multiple of 256; exit 3 if none) (default: off)."),
+                                      "as configured, fits (a multiple of 128; exit 3 if none) (default: off)."),
          simulate: bool = typer.Option(False, "--simulate", help="Run one real training step at full size on the "
                                        "simulated GPU (meta device, fake process group; rank 0 of the world) and "
                                        "print its measured peak beside the plan's, with --json as JSON; exit 0 "
@@ -139,7 +139,7 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
                                    "host_bytes": at.estimate.host_per_rank if at else None,
                                    "capacity_bytes": p.capacity}))
         elif at is None:
-            typer.echo(f"no data.seq_len fits {p.setup.world} x {p.hardware.key}, not even 256 tokens")
+            typer.echo(f"no data.seq_len fits {p.setup.world} x {p.hardware.key}, not even 128 tokens")
         else:
             typer.echo(f"longest data.seq_len that fits {p.setup.world} x {p.hardware.key}: {n:,} tokens "
                        f"(peak {at.estimate.total / 2**30:.2f} GiB of {p.capacity / 2**30:.2f}; host "

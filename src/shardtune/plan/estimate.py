@@ -146,6 +146,8 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     mask = s.packing and stats.recipe.model.attn_implementation == "eager"
     kv_dim = q_dim if mask else d.num_kv_heads * d.head_dim
     attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
+    if s.packing and not mask:  # per-document calls: each call's output (saved by SDPA) and their concatenation
+        attn += bs * c * q_dim
     if s.lora:
         norms, mlp = lora_norms_mlp_bytes(stats, s)
     else:
@@ -408,9 +410,12 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
 
     overlap = s.backward_schedule == "overlap"
+    # In a unit's backward the final norm's saved tensors are gone (its backward ran first): rotary tables, ids.
+    root_backward = root_activation_bytes(stats, s) - s.micro_batch * s.seq_len * d.hidden * (4 + 2 * c)
 
     def unit_backward(i: int) -> dict[str, int]:
-        own = saved[i] + (per_layer if ckpt[i] else 0) + fetched(i)
+        # A recomputed fp32 unit's first norm saves the unit input itself (bf16 saves an upcast copy): counted once.
+        own = saved[i] + (per_layer - (bsh if c == 4 else 0) if ckpt[i] else 0) + fetched(i)
         # engine/unit.py's schedules. Staggered: unit 1's reduction is retired before unit 0's backward; in any
         # other unit's MLP backward (its first half) the next unit's reduction is in flight and the previous unit
         # is gathered ahead only after it is retired (no reduction in flight: at once). Overlap (FSDP2's): the next
@@ -424,8 +429,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
                 + flight,
                 "gathered": held + offload_copy + nf4_extra,
-                "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
-                + bsh + 2 * bsi}
+                "activations": sum(saved[:i]) + own + root_backward + bsh + 2 * bsi}
     # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
     # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
     # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).

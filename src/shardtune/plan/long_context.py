@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from shardtune.plan.planner import Plan, variant
 
-GRANULE = 256  # tokens: the answer is a multiple of this
+GRANULE = 128  # tokens: the answer is a multiple of this
 LIMIT = 1 << 24  # 16M tokens: the search stops here
 
 
