@@ -146,10 +146,9 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     mask = s.packing and stats.recipe.model.attn_implementation == "eager"
     kv_dim = q_dim if mask else d.num_kv_heads * d.head_dim
     attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
-    # Packed SFT rows, per-document calls (attention.py): each call's output, saved by SDPA, and their concatenation,
-    # saved by o_proj, are two tensors; a frozen bf16 o_proj saves no input (its adapter saves an fp32 cast, counted
-    # with the adapters). DPO rows are one causal call each.
-    if s.packing and not mask and stats.recipe.train.objective == "sft" and not (s.lora and c != 4):
+    # Packed SFT rows, per-document calls (attention.py): each call's output (saved by SDPA) and their concatenation
+    # are two tensors. DPO rows are one causal call each.
+    if s.packing and not mask and stats.recipe.train.objective == "sft":
         attn += bs * c * q_dim
     if s.lora:
         norms, mlp = lora_norms_mlp_bytes(stats, s)
