@@ -102,3 +102,15 @@ def test_packed_row_creates_no_s_squared_tensor(ours):
     with _LargestOutput() as seen:
         token_loss_sum(model, ids, ids, pos, doc_lengths=doc_lengths(pos.numpy())).backward()
     assert (seen.numel < s * s // 2) == ours, seen.numel
+
+
+def test_batched_generation_with_left_padding_matches_transformers_sdpa():
+    """Generation keeps transformers' SDPA path (padding mask, KV cache): the same greedy tokens."""
+    ours = _model().eval()
+    ref = build_model(ModelConfig(config="configs/models/tiny-llama.json"), seed=0).eval()
+    ref.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :4], ids[0, :4] = 0, 0
+    kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(ours.generate(**kw), ref.generate(**kw))
