@@ -48,9 +48,8 @@ MLP_CHUNK = 4096  # tokens per MLP chunk that --fit tries when the recipe sets n
 
 
 def long_context_options(setup) -> list[tuple[bool, int]]:
-    """--fit's long-context knobs for one candidate, as (offload_activations, mlp_chunk): the recipe's, and with
-    checkpointing activation offloading and the sequence-chunked MLP, alone and together."""
+    """--fit's long-context knobs for one candidate, as (offload_activations, mlp_chunk), cheapest first: the
+    recipe's chunking without offloading, then (with checkpointing) offloading, then offloading and the chunked MLP."""
     if setup.checkpointing is False:
         return [(False, setup.mlp_chunk)]
-    chunks = sorted({setup.mlp_chunk, setup.mlp_chunk or MLP_CHUNK})
-    return [(off, m) for off in (False, True) for m in chunks]
+    return [(False, setup.mlp_chunk), (True, setup.mlp_chunk), (True, setup.mlp_chunk or MLP_CHUNK)]

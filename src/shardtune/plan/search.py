@@ -230,20 +230,23 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                                     grad_accum=per_rank_batch // m, lora=lo, nf4=q, loss_chunk=chunk,
                                     nf4_tile_bytes=tile, backward_schedule=sched, vocab_parallel=vp,
                                     shard_adapter_states=sa)
-        for offload_acts, mlp_chunk in long_context_options(setup):  # (plan/long_context.py)
+        # The long-context knobs (plan/long_context.py) only ever add time: tried, in that order, only until one fits
+        for offload_acts, mlp_chunk in long_context_options(setup):
             setup = dataclasses.replace(setup, offload_activations=offload_acts, mlp_chunk=mlp_chunk)
             p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
             if p.fits:
                 out.append(Candidate(p, step_time(p)))
+                break
     # Equal predicted times are common (compute-bound with prefetch: comm hides under compute): prefer no offload,
     # no checkpointing, then the largest micro-batch (fewest micro-steps: the per-step overheads the model leaves
     # out), then the recipe's own strategy, loss chunking and NF4 tiling, so `train --fit` changes nothing it has no
     # reason to change.
-    return sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.checkpointing is not False,
+    return sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.offload_activations,
+                                      c.plan.setup.checkpointing is not False,
                                       -c.plan.setup.micro_batch, c.plan.setup.strategy != s.strategy,
                                       c.plan.setup.backward_schedule != s.backward_schedule,
                                       c.plan.setup.loss_chunk != s.loss_chunk,
                                       c.plan.setup.nf4_tile_bytes != s.nf4_tile_bytes,
                                       c.plan.setup.vocab_parallel != s.vocab_parallel,
                                       c.plan.setup.shard_adapter_states != s.shard_adapter_states,
-                                      c.plan.setup.offload_activations, c.plan.setup.mlp_chunk != s.mlp_chunk))
+                                      c.plan.setup.mlp_chunk != s.mlp_chunk))
