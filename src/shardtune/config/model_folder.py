@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from shardtune.errors import UserError
+from shardtune.hub import CONFIG, TOKENIZER, is_hub_id, model_dir
 
 # Any of these in a folder means it carries its own tokenizer (fast, sentencepiece or GPT-2-style files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -26,7 +27,7 @@ def apply_model_folder(cfg: DictConfig, overrides: list[str]) -> None:
     path = OmegaConf.select(cfg, "model.path")
     if path is None:
         return
-    folder = Path(str(path))
+    folder = model_dir(str(path), CONFIG + TOKENIZER) if is_hub_id(path) else Path(str(path))
     given = override_keys(overrides)
     from_cli = "model.path" in given
     has_config = (folder / "config.json").is_file()
