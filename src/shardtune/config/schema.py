@@ -143,6 +143,10 @@ class DataConfig:
     train_on_inputs: bool = False  # also take the loss on prompts / user turns (default: responses only)
     seq_len: int = 512  # tokens per sample after packing/padding
     packing: bool = True  # concatenate documents to seq_len (position ids reset per document); never for preference pairs
+    # Documents longer than seq_len: truncate (keep the first seq_len tokens) | split (keep every token: seq_len
+    # pieces, each starting at the previous piece's last token, which it reads as context but is not trained on
+    # again; packed rows take a document's pieces in order). Preference pairs are always truncated (preference.py).
+    long_docs: str = "truncate"
     eval_fraction: float = 0.05  # held-out share of the data for eval_loss
     num_samples: int = 2000  # size of a generated builtin:* dataset
     cache_dir: str | None = None  # tokenized Arrow cache, shared by ranks and runs (default: <output_dir>/data_cache)
@@ -154,6 +158,11 @@ class DataConfig:
 
         check_data_config(self)
         _check(self.seq_len >= 8, "data.seq_len", f"must be >= 8, got {self.seq_len}")
+        _check(self.long_docs in ("truncate", "split"), "data.long_docs",
+               f"must be truncate or split, got {self.long_docs!r}")
+        _check(self.long_docs == "truncate" or self.format != "preference", "data.long_docs",
+               "split does not apply to preference pairs (each pair is one prompt and two responses, truncated as "
+               "DPO needs): set data.long_docs=truncate")
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
         _check(self.num_samples >= 1, "data.num_samples", f"must be >= 1, got {self.num_samples}")
         _check(self.num_proc >= 0, "data.num_proc", f"must be >= 0 (0: auto), got {self.num_proc}")

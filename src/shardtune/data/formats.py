@@ -7,6 +7,7 @@ resolved (`fields.resolve_fields`): the DataConfig names columns that exist.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,18 @@ from shardtune.data.templates import render_prompt
 from shardtune.errors import UserError
 
 IGNORE = -100
+
+
+class _NoLengthWarning(logging.Filter):
+    """transformers warns when a tokenized text is longer than the tokenizer's model_max_length ("Token indices
+    sequence length is longer than..."): shardtune truncates or splits every document to data.seq_len itself
+    (data.long_docs), and validate checks seq_len against the model, so the warning only misleads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer than")
+
+
+logging.getLogger("transformers.tokenization_utils_base").addFilter(_NoLengthWarning())
 Encoded = list[tuple[list[int], list[int]]]  # per row: (input ids, labels)
 
 # ShareGPT's speaker names -> OpenAI roles (the names seen in the wild: human/gpt, user/assistant, system).

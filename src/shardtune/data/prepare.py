@@ -50,7 +50,7 @@ def format_report(data: TokenizedData, *, seconds: float) -> str:
              f"format: {_describe(m.get('data', {}))}",
              f"tokens: {train['tokens']:,} train ({train['target_tokens']:,} with a loss), {ev['tokens']:,} eval; "
              f"stored as {m['token_dtype']}",
-             f"truncated documents (longer than data.seq_len={m['seq_len']}): {truncated_counts(m['stats'])}",
+             _long_documents(m),
              f"packing efficiency: {_pct(train['target_tokens'], slots)} of train slots are target tokens, "
              f"{_pct(train['tokens'], slots)} hold a token (the rest is padding)",
              "document length (tokens, before truncation):"]
@@ -59,6 +59,15 @@ def format_report(data: TokenizedData, *, seconds: float) -> str:
                         f"{m.get('identical_pairs', 0):,} dropped (chosen identical to rejected)")
     lines += _histogram(m["histogram"])
     return "\n".join(lines)
+
+
+def _long_documents(m: dict[str, Any]) -> str:
+    train, ev = m["stats"]["train"], m["stats"]["eval"]
+    if m.get("long_docs") == "split":
+        return (f"split documents (longer than data.seq_len={m['seq_len']}): {train['split'] + ev['split']:,} "
+                f"(train {train['split']:,}, eval {ev['split']:,}), into {train['pieces'] + ev['pieces']:,} pieces "
+                "in all (data.long_docs=split)")
+    return f"truncated documents (longer than data.seq_len={m['seq_len']}): {truncated_counts(m['stats'])}"
 
 
 def _describe(fields: dict[str, Any]) -> str:
