@@ -5,7 +5,7 @@ import json
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,8 @@ def train(recipe: Recipe) -> dict:
     start_step = resume(run)
     max_steps = run.max_steps
     log = MetricsLog(run.run_dir, max_steps=max_steps, enabled=rt.is_main, start_step=start_step,
-                     log_every=cfg.log_every, show_epoch=cfg.epochs is not None)
+                     log_every=cfg.log_every, show_epoch=cfg.epochs is not None, report_to=cfg.report_to,
+                     config=asdict(recipe))
     tracker = _memory_tracker(cfg.profile_memory, rt.device)
     stop = StopRequest()
     demo = demo_samples(run.data, cfg.demo_eval_samples, announce=rt.is_main) if cfg.demo_eval else []

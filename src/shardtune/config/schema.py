@@ -197,6 +197,10 @@ class TrainConfig:
     # every step instead. metrics.jsonl always has every step.
     log_every: int = 20
     profile_memory: bool = False  # CPU: peak live tensor bytes; CUDA: max_memory_allocated
+    # Where rank 0 logs the metrics.jsonl records besides: tensorboard | wandb | mlflow, a list or one name (wandb
+    # and mlflow are extras: pip install 'shardtune[wandb]'); the recipe is the tracker run's config, and a resumed
+    # run continues the same tracker run. [] = metrics.jsonl only.
+    report_to: Any = field(default_factory=lambda: ["tensorboard"])
     demo_eval: bool = False  # held-out exact-match accuracy before and after (format=instruction; else skipped)
     demo_eval_samples: int = 64  # held-out prompts decoded by demo_eval
     save_final: bool = True  # write final/ (HF format, or a PEFT adapter with LoRA)
@@ -209,6 +213,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.objective in ("sft", "dpo"), "train.objective", f"must be sft or dpo, got {self.objective!r}")
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        known = ("tensorboard", "wandb", "mlflow")
+        _check(isinstance(self.report_to, (list, tuple)) and all(t in known for t in self.report_to),
+               "train.report_to", f"must be a list of tensorboard, wandb, mlflow, got {self.report_to!r}")
+        self.report_to = list(dict.fromkeys(self.report_to))
         _check(self.max_steps is None or self.epochs is None, "train.epochs",
                f"and train.max_steps are both set ({self.epochs} and {self.max_steps}): keep one, set the other to null")
         if self.epochs is None and self.max_steps is None:
