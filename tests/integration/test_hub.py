@@ -1,5 +1,5 @@
 """`model.path=OWNER/NAME` and `export --push-to-hub` against a fake Hub on 127.0.0.1 (fake_hub.py; no network):
-validate fetches the config and tokenizer only, train downloads the safetensors once for its two ranks with
+plan fetches the config.json only, validate the tokenizer too (it tokenizes data rows), train downloads the safetensors once for its two ranks with
 HF_TOKEN sent, export pushes exactly the exported files; then, with the server gone, HF_HUB_OFFLINE=1 runs
 validate and plan from the filled cache, and an id that is not cached is one line, exit 2."""
 from __future__ import annotations
@@ -36,6 +36,9 @@ def test_hub_id_downloads_once_trains_pushes_and_works_offline(tmp_path):
         hub.add_folder("acme/tiny-llama", model)
         env = {"HF_HOME": str(hf_home), "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKEN,
                "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "0"}
+        proc = shardtune("plan", "tiny-cpu", *pretrained, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert snapshot_files(hf_home, "acme/tiny-llama") == {"config.json"}  # plan reads the architecture only
         proc = shardtune("validate", "tiny-cpu", *pretrained, cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         cached = snapshot_files(hf_home, "acme/tiny-llama")
