@@ -16,6 +16,7 @@ from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import IGNORE, encode_batch
 from shardtune.data.preference import encode_pair, split_shared_prompt
 from shardtune.data.templates import CHAT_TEMPLATES
+from tests.unit.cli_helpers import run_cli
 
 trl_data = pytest.importorskip("trl.data_utils")
 SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
@@ -69,19 +70,19 @@ def test_implicit_prompt_is_the_shared_opening_as_trl_extracts_it():
         assert encode_pair(row, cfg, tok) == encode_pair(trl_row, explicit, tok)
 
 
-def test_prepare_takes_both_layouts_and_refuses_pairs_with_nothing_shared(tmp_path):
-    def prepare(rows: list[dict], *args: str) -> subprocess.CompletedProcess:
+def test_prepare_takes_both_layouts_and_refuses_pairs_with_nothing_shared(tmp_path, capsys):
+    def args(rows: list[dict], *extra: str) -> list[str]:
         path = tmp_path / "rows.jsonl"
         path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-        return subprocess.run([SHARDTUNE, "prepare", *args, f"data.path={path}", "model.chat_template=chatml",
-                               "data.eval_fraction=0", f"train.output_dir={tmp_path / 'run'}"],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        return ["prepare", *extra, f"data.path={path}", "model.chat_template=chatml", "data.eval_fraction=0",
+                f"train.output_dir={tmp_path / 'run'}"]
 
-    proc = prepare(PROMPT_COMPLETION * 4, "tiny-cpu", "data.format=chat")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = prepare(IMPLICIT * 4, "tiny-dpo-cpu")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, out, err = run_cli(args(PROMPT_COMPLETION * 4, "tiny-cpu", "data.format=chat"), capsys)  # in-process
+    assert code == 0 and "format: chat (prompt=prompt, response=completion" in out, err[-2000:]
+    code, out, err = run_cli(args(IMPLICIT * 4, "tiny-dpo-cpu"), capsys)
+    assert code == 0 and "preference pairs: 8 train" in out, err[-2000:]
     unrelated = {"chosen": [msg("user", "a"), msg("assistant", "b")], "rejected": [msg("user", "c")]}
-    proc = prepare([unrelated] * 2, "tiny-dpo-cpu")
+    proc = subprocess.run([SHARDTUNE, *args([unrelated] * 2, "tiny-dpo-cpu")], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # the installed executable
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(err) == 1 and "share no opening turn" in err[0], proc.stderr

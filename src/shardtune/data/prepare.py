@@ -77,7 +77,10 @@ def _describe(fields: dict[str, Any]) -> str:
     if fields.get("format") not in FORMATS:
         return "?"
     fmt = FORMATS[fields["format"]]
-    cols = ", ".join(f"{k.removesuffix('_field')}={fields[k]}" for k in fmt.required + fmt.optional if fields.get(k))
+    keys = fmt.required + fmt.optional
+    if fields["format"] == "chat" and not fields.get("messages_field"):  # TRL's prompt/completion layout
+        keys = ("prompt_field", "response_field")
+    cols = ", ".join(f"{k.removesuffix('_field')}={fields[k]}" for k in keys if fields.get(k))
     extra = {"instruction": f"; template {fields.get('template')}", "chat": f"; style {fields.get('chat_style')}"}
     on_inputs = "; loss on inputs too" if fields.get("train_on_inputs") else ""
     return f"{fields['format']} ({cols}{extra.get(fields['format'], '')}{on_inputs})"
