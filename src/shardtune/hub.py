@@ -139,6 +139,7 @@ def fetch_for_ranks(value: str, *, rank: int) -> None:
 
 def push_folder(folder: Path, repo: str) -> str:
     """Every file of `folder` as one commit to `repo` (created private when missing). Returns the commit URL."""
+    import httpx2  # huggingface_hub's HTTP client: its connection errors are not OSErrors
     from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -155,7 +156,7 @@ def push_folder(folder: Path, repo: str) -> str:
                else "check the repo id and the network")
         raise UserError(f"--push-to-hub {repo}: the Hub refused the upload ({str(e).splitlines()[0][:160]}): "
                         f"{fix}; the export itself is complete in '{folder}'") from None
-    except OSError as e:
+    except (OSError, httpx2.HTTPError) as e:
         raise UserError(f"--push-to-hub {repo}: the Hub cannot be reached ({str(e).splitlines()[0][:160]}): the "
                         f"export is complete in '{folder}'; push it later with `hf upload {repo} {folder}`") from None
     return str(info.commit_url)

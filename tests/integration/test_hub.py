@@ -76,3 +76,7 @@ def test_hub_id_downloads_once_trains_pushes_and_works_offline(tmp_path):
     proc = shardtune("validate", "tiny-cpu", "model.path=acme/never-fetched", "model.init=pretrained",
                      cwd=tmp_path, env=offline)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "HF_HUB_OFFLINE" in proc.stderr, proc.stderr
+    proc = shardtune("export", str(run / "checkpoints"), str(tmp_path / "again"), "--push-to-hub", "acme/tuned",
+                     cwd=tmp_path, env={**offline, "HF_HUB_OFFLINE": "0"})  # the Hub is down: the export stays
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot be reached" in proc.stderr, proc.stderr
+    assert (tmp_path / "again" / "model.safetensors").is_file()
