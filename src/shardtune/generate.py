@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,7 @@ class Loaded:
     recipe: Recipe | None
     folder: PromptStyle | None = None  # the folder's own style, used when no recipe is found
 
-    @property
+    @cached_property  # once: a DPO run's style reads the head of its data file
     def style(self) -> PromptStyle:
         if self.recipe is not None:
             return style_of_recipe(self.recipe)
