@@ -60,6 +60,8 @@ def test_lora_export_and_final_are_peft_adapters(reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for folder in (out, reference / "final"):
         assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
+        # a random-init base exists on no disk: the adapter names none (not the architecture's config.json)
+        assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] is None
     ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base = base_model()(input_ids=ids).logits
