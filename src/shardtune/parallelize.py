@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +27,7 @@ from shardtune.engine.api import (
 from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import find_units, resolve_unit_classes
+from shardtune.hub import WEIGHTS, model_dir
 from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora, is_adapter
 from shardtune.seeded_init import init_full, init_into_shards
@@ -78,7 +78,9 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     engine = recipe.engine
     # 1. LoRA first: it replaces Linear modules and freezes the base, so units and frozen flags see the final tree.
     if recipe.lora.enabled:
-        apply_lora(model, recipe.lora, base_name=recipe.model.path or recipe.model.config)
+        # the adapter's base: the model folder or hub id it was trained over (a random init has none on any disk)
+        base_name = recipe.model.path if recipe.model.init == "pretrained" else None
+        apply_lora(model, recipe.lora, base_name=base_name)
         materialize_adapters(model, seed=recipe.train.seed)  # pretrained base on meta: peft put adapters there too
         if engine.mixed_precision == "bf16" and engine.backend == "shardtune":
             # The frozen base is only ever used in bf16 compute: store its shards in bf16 too (half the memory, no
@@ -105,7 +107,7 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     # 3. Shard last: it flattens parameters into per-unit buffers (anything after would see views, not parameters).
     #    Parameters still on meta (model.init=pretrained, or a random init built with sharded_init) are filled here:
     #    our engine fills each rank's shards only (from the files, or drawn one module at a time).
-    pretrained = Path(recipe.model.path) if recipe.model.init == "pretrained" else None
+    pretrained = model_dir(recipe.model.path, WEIGHTS) if recipe.model.init == "pretrained" else None
     random_meta = pretrained is None and any(p.is_meta for p in model.parameters())
     init_dtype = DTYPES[recipe.model.dtype]
     if engine.backend == "torch":
