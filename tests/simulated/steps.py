@@ -18,6 +18,7 @@ BASE = ("data.num_samples=48", "data.seq_len=32", "data.eval_fraction=0.1", "tra
 LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8")
 
 # name -> recipe overrides. Strategy, precision, checkpointing, offload, LoRA/QLoRA and the torch backend.
+# hybrid_offload: full fine-tuning keeps the vocabulary tables' gradients on the host, summed over the replicas.
 SETTINGS = {
     "full_shard": (),
     "shard_grad_op": ("engine.strategy=shard_grad_op",),
@@ -30,6 +31,7 @@ SETTINGS = {
     "lora_offload": (*LORA, "engine.cpu_offload=true"),
     "qlora": (*LORA, "lora.quantize_base=nf4", "engine.mixed_precision=bf16"),
     "qlora_offload": (*LORA, "lora.quantize_base=nf4", "engine.cpu_offload=true"),
+    "hybrid_offload": ("engine.strategy=hybrid_shard", "engine.hybrid_shard_size=2", "engine.cpu_offload=true"),
 }
 
 

@@ -20,6 +20,11 @@ rank's copies (a global optimizer hook: any optimizer holding an owned adapter t
 together, as the trainer does; a rank that steps alone would wait in the all-gather). Same bytes on the wire as the all-reduce (reduce-scatter + all-gather = one all-reduce); memory per
 rank: gradients and AdamW state 12·N/W bytes instead of 12·N.
 
+Host-resident parameters (the vocabulary tables of a hybrid run under cpu_offload): their gradients arrive on the
+host, so `pending` sums there, and the collective runs on a copy on `device` (the group's: NCCL takes no host
+tensor), copied back to the host after. Cost: one H2D and one blocking D2H of the bucket per step, and the bucket
+on the device from the all-reduce until its copy back (the end of the step's last backward).
+
 Cost: one bucket of adapter size (fp32) during every backward of a step; per step 4(W-1)/W x adapter bytes of
 traffic (reduce-scatter + all-gather, or the all-reduce).
 """
@@ -34,6 +39,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from shardtune import accelerator
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_reduce_, reduce_scatter_into
 
 
@@ -58,10 +64,11 @@ def run_sizes(sizes: list[int], owners: list[int], world: int) -> list[int]:
 
 class ReplicatedParams:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: ProcessGroup | None,
-                 counter: CommCounter, *, shard_states: bool = False) -> None:
+                 counter: CommCounter, *, device: torch.device, shard_states: bool = False) -> None:
         self.params = params  # (name, parameter) in named_parameters() order
         self.group = group  # None: one rank, nothing to reduce
         self.counter = counter
+        self.device = device  # where the group's collectives run (the compute device)
         world = 1 if group is None else dist.get_world_size(group)
         self.sharded = shard_states and world > 1 and bool(params)
         self.rank = dist.get_rank(group) if self.sharded else 0
@@ -117,6 +124,9 @@ class ReplicatedParams:
             self._work = reduce_scatter_into(self._reduced, self.pending, self.group, self.counter,
                                              full_is_scratch=True, async_op=True, label="adapters")
         else:
+            assert self.pending.device == self.device or not self.sharded, "sharded adapters live on the device"
+            if self.pending.device != self.device:  # host-resident params: reduce a device copy, host sums kept
+                self.pending = self.pending.to(self.device, non_blocking=True)
             self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True)
 
     def finish_reduce(self) -> None:
@@ -127,6 +137,8 @@ class ReplicatedParams:
             self._work.wait()
             self._work = None
         source, base = (self._reduced, self.rank * self.chunk) if self.sharded else (self.pending, 0)
+        if self.params[0][1].device != source.device:  # host-resident params: one blocking D2H of the bucket
+            source = accelerator.to_host(source)
         for (_, p), a, mine in zip(self.params, self._offsets, self.owned, strict=True):
             if not mine:
                 continue  # another rank's: its gradient (and AdamW state) lives there only

@@ -214,7 +214,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
                               offload=policy.cpu_offload)
     world = dist.get_world_size()
     ctx.replicated = ReplicatedParams(replicated, dist.group.WORLD if world > 1 else None, ctx.counter,
-                                      shard_states=policy.shard_replicated_states)
+                                      device=device, shard_states=policy.shard_replicated_states)
 
     compute = policy.mixed_precision.param_dtype
     units: list[Unit] = []
@@ -281,4 +281,4 @@ def _install_vocab_tables(ctx: EngineContext, root: Unit, replicate_group: Proce
         install(table, emb, head)
         segments += [(slot.name, seg) for _, _, _, seg in flat.segments]
     if segments and replicate_group is not None:
-        ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter)
+        ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter, device=ctx.device)
