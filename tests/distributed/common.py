@@ -16,9 +16,10 @@ from shardtune.engine.wrap import resolve_unit_classes
 MODELS = ("tiny-llama", "tiny-qwen2")
 
 
-def build_model(name: str, *, seed: int = 0) -> nn.Module:
+def build_model(name: str, *, seed: int = 0, **config: object) -> nn.Module:
+    """`config`: HF config fields to change (num_hidden_layers=1)."""
     path = CONFIGS_DIR / "models" / f"{name}.json"
-    cfg = AutoConfig.from_pretrained(str(path))
+    cfg = AutoConfig.from_pretrained(str(path), **config)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
 

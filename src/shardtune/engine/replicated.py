@@ -93,8 +93,14 @@ class ReplicatedParams:
             for i, (_, p) in enumerate(params):
                 p.register_hook(lambda g, i=i: _call(ref, "_add", i, g))
                 p.register_post_accumulate_grad_hook(lambda _p, i=i: _call(ref, "_drop_zeros", i))
+        # Sharded, fewer adapters than ranks: a rank may own none. It still steps an empty run (a 0-element
+        # parameter in its optimizer, a 0-element gradient each step), so its optimizer step triggers the post-step
+        # all-gather every other rank enters, and its AdamW step counter (what a checkpoint saves) counts like theirs.
+        self._empty_run: nn.Parameter | None = None
+        if self.sharded and not any(self.owned):
+            self._empty_run = nn.Parameter(torch.zeros(0, device=params[0][1].device))
         if self.sharded:
-            self._owned_ids = {id(p) for (_, p), mine in zip(params, self.owned, strict=True) if mine}
+            self._owned_ids = {id(p) for p in self.owned_params()}
             hook = register_optimizer_step_post_hook(
                 lambda opt, args, kwargs: _call(ref, "_after_step", opt))
             weakref.finalize(self, hook.remove)
@@ -139,6 +145,8 @@ class ReplicatedParams:
         source, base = (self._reduced, self.rank * self.chunk) if self.sharded else (self.pending, 0)
         if self.params[0][1].device != source.device:  # host-resident params: one blocking D2H of the bucket
             source = accelerator.to_host(source)
+        if self._empty_run is not None:
+            self._empty_run.grad = torch.zeros_like(self._empty_run)
         for (_, p), a, mine in zip(self.params, self._offsets, self.owned, strict=True):
             if not mine:
                 continue  # another rank's: its gradient (and AdamW state) lives there only
@@ -157,9 +165,14 @@ class ReplicatedParams:
         self.pending = self._reduced = None
         self._fresh = [False] * len(self.params)
 
+    def owned_named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """What this rank's optimizer steps: every adapter, or (sharded) this rank's run (maybe the empty one)."""
+        if self._empty_run is not None:
+            return [("empty_run", self._empty_run)]
+        return [(n, p) for (n, p), mine in zip(self.params, self.owned, strict=True) if mine]
+
     def owned_params(self) -> list[nn.Parameter]:
-        """What this rank's optimizer steps: every adapter, or (sharded) this rank's run."""
-        return [p for (_, p), mine in zip(self.params, self.owned, strict=True) if mine]
+        return [p for _, p in self.owned_named_params()]
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.owned_params() if p.grad is not None]
@@ -174,7 +187,7 @@ class ReplicatedParams:
 
     def gather_params(self) -> None:
         """Sharded: every rank's stepped run, all-gathered into every rank's copies (one collective)."""
-        owned = self.owned_params()
+        owned = [p for (_, p), m in zip(self.params, self.owned, strict=True) if m]
         device = self.params[0][1].device
         mine = torch.zeros(self.chunk, dtype=torch.float32, device=device)
         if owned:

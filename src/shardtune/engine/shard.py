@@ -69,10 +69,9 @@ class ShardtuneModel:
                     yield decay, seg
 
     def _replicated(self) -> Iterator[tuple[bool, nn.Parameter]]:
-        r = self.ctx.replicated
-        for (name, p), mine in zip(r.params, r.owned, strict=True):
-            if mine:  # shard_replicated_states: this rank steps its own run of the adapters only
-                yield not self.policy.no_weight_decay(name, p), p
+        # shard_replicated_states: this rank steps its own run of the adapters only
+        for name, p in self.ctx.replicated.owned_named_params():
+            yield not self.policy.no_weight_decay(name, p), p
 
     def optimizer_param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         params = [*self._segments(), *self._replicated()]
