@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 
 from shardtune import accelerator
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
+from shardtune.engine.clip import scale_grads_, sq_norm
 from shardtune.engine.collectives import all_gather_into, all_reduce_
 from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
 from shardtune.engine.flat_param import FlatParam
@@ -89,22 +90,17 @@ class ShardtuneModel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         self.wait_reductions()
         grads = [p.grad for _, p in self._segments() if p.grad is not None]
-        sq = _sq_norm(grads, self.ctx.device)
+        sq = sq_norm(grads, self.ctx.device)
         # Sum over the shard group only: replicas (hybrid/no_shard) hold identical shards. Padding is not in any
         # segment, so it never counts. One all-reduce of one scalar.
         all_reduce_(sq, self.ctx.shard_group, self.ctx.counter)
         # Replicated params (LoRA adapters) hold the same reduced gradient on every rank: added once, after; with
         # sharded states each rank holds its own run's: summed over the ranks (one more scalar all-reduce).
         replicated = self.ctx.replicated.grads()
-        sq_rep = _sq_norm(replicated, self.ctx.device)
+        sq_rep = sq_norm(replicated, self.ctx.device)
         all_reduce_(sq_rep, self.ctx.replicated.sq_norm_group(), self.ctx.counter)
         total = (sq + sq_rep).sqrt()
-        grads += replicated
-        if max_norm > 0 and grads:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch clip_grads_with_norm_
-            for dev in {g.device for g in grads}:  # offload: shard grads on the host, adapters on the device
-                scale = coef.to(dev) if dev == coef.device or coef.device.type == "cpu" else accelerator.to_host(coef)
-                torch._foreach_mul_([g for g in grads if g.device == dev], scale)
+        scale_grads_(grads + replicated, total, max_norm)  # offload: shard grads on the host, adapters on the device
         return total
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
@@ -176,13 +172,6 @@ def _check_master_dtype(unit_params: list) -> None:
                 raise UserError(f"model: trainable parameters in {dtype} would make master weights, gradients and "
                                 "AdamW state that dtype: build the model in fp32 (model.dtype=fp32) and compute in "
                                 "bf16 with engine.mixed_precision=bf16")
-
-
-def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of `grads` (fp32 scalar on `device`, where the collectives run)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum().to(device)
 
 
 def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> ShardtuneModel:
