@@ -144,7 +144,9 @@ class ReplicatedParams:
             self._work = None
         source, base = (self._reduced, self.rank * self.chunk) if self.sharded else (self.pending, 0)
         if self.params[0][1].device != source.device:  # host-resident params: one blocking D2H of the bucket
-            source = accelerator.to_host(source)
+            # (simulated: an empty host buffer stands for the values, as the vocabulary rows' D2H does)
+            source = (accelerator.host_empty(source.numel(), source.dtype, source.device)
+                      if accelerator.is_simulated(source.device) else accelerator.to_host(source))
         if self._empty_run is not None:
             self._empty_run.grad = torch.zeros_like(self._empty_run)
         for (_, p), a, mine in zip(self.params, self._offsets, self.owned, strict=True):

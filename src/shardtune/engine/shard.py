@@ -180,6 +180,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
     if policy.vocab_parallel and shard_size < 2:  # one copy per rank (world 1, no_shard): nothing to split by rows
         policy = dataclasses.replace(policy, vocab_parallel=False)
+    policy = dataclasses.replace(policy, backward_schedule=policy.backward_schedule.on(
+        accelerator=accelerator.is_accelerator(device)))
     ctx = EngineContext(strategy=policy.strategy, shard_group=shard_group, replicate_group=replicate_group,
                         reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch, device=device,
                         backward_schedule=policy.backward_schedule)
