@@ -21,6 +21,7 @@ from shardtune.config.schema import Recipe
 from shardtune.engine.api import ShardedModel, ShardingPolicy
 from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.wrap import resolve_unit_classes
+from shardtune.errors import UserError
 from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora
 from shardtune.seeded_init import init_full, init_into_shards
@@ -68,6 +69,11 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     init_dtype = DTYPES[recipe.model.dtype]
     if engine.backend == "torch":
         from shardtune.engine import torch_backend
+
+        if engine.cpu_offload and accelerator.is_simulated(device):  # FSDP2 copies each gradient to the host
+            raise UserError("engine.cpu_offload=true with engine.backend=torch does not run on the simulated GPU "
+                            "(FSDP2 copies gradients to the host, which the simulation cannot give): plan it without "
+                            "--simulate, or simulate engine.backend=shardtune")
 
         if pretrained is not None:
             load_full(model, pretrained, device)  # FSDP2 path: every rank reads the whole model, then shards

@@ -64,11 +64,13 @@ def run_sizes(sizes: list[int], owners: list[int], world: int) -> list[int]:
 
 class ReplicatedParams:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: ProcessGroup | None,
-                 counter: CommCounter, *, device: torch.device, shard_states: bool = False) -> None:
+                 counter: CommCounter, *, device: torch.device, shard_states: bool = False,
+                 label: str = "adapters") -> None:
         self.params = params  # (name, parameter) in named_parameters() order
         self.group = group  # None: one rank, nothing to reduce
         self.counter = counter
         self.device = device  # where the group's collectives run (the compute device)
+        self.label = label  # the collectives' name on the simulated GPU's record
         world = 1 if group is None else dist.get_world_size(group)
         self.sharded = shard_states and world > 1 and bool(params)
         self.rank = dist.get_rank(group) if self.sharded else 0
@@ -128,12 +130,12 @@ class ReplicatedParams:
             self._reduced = torch.empty(self.chunk, dtype=torch.float32, device=self.pending.device)
             # pending is scratch (dropped after): gloo then reduces in place, without its own copy of the input
             self._work = reduce_scatter_into(self._reduced, self.pending, self.group, self.counter,
-                                             full_is_scratch=True, async_op=True, label="adapters")
+                                             full_is_scratch=True, async_op=True, label=self.label)
         else:
             assert self.pending.device == self.device or not self.sharded, "sharded adapters live on the device"
             if self.pending.device != self.device:  # host-resident params: reduce a device copy, host sums kept
                 self.pending = self.pending.to(self.device, non_blocking=True)
-            self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True)
+            self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True, label=self.label)
 
     def finish_reduce(self) -> None:
         """Wait for `start_reduce`'s collective (it overlapped the units' last reductions), add it to p.grad."""
@@ -195,7 +197,7 @@ class ReplicatedParams:
         if owned:
             torch.cat([p.detach().reshape(-1) for p in owned], out=mine[:self.owned_numel])
         full = torch.empty(self.bucket_numel, dtype=torch.float32, device=device)
-        all_gather_into(full, mine, self.group, self.counter, label="adapters")
+        all_gather_into(full, mine, self.group, self.counter, label=self.label)
         with torch.no_grad():
             for (_, p), a, m in zip(self.params, self._offsets, self.owned, strict=True):
                 if not m:

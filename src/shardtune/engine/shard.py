@@ -271,4 +271,5 @@ def _install_vocab_tables(ctx: EngineContext, root: Unit, replicate_group: Proce
         install(table, emb, head)
         segments += [(slot.name, seg) for _, _, _, seg in flat.segments]
     if segments and replicate_group is not None:
-        ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter, device=ctx.device)
+        ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter, device=ctx.device,
+                                              label="vocab")

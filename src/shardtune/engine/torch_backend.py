@@ -25,7 +25,6 @@ from shardtune import accelerator
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
 from shardtune.engine.clip import scale_grads_, sq_norm
 from shardtune.engine.wrap import find_units
-from shardtune.errors import UserError
 
 
 def build_mesh(device_type: str, strategy: ShardingStrategy, hybrid_shard_size: int | None) -> DeviceMesh:
@@ -112,10 +111,6 @@ class TorchShardedModel:
 
 
 def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> TorchShardedModel:
-    if policy.cpu_offload and accelerator.is_simulated(device):  # FSDP2's offload copies each gradient to the host
-        raise UserError("engine.cpu_offload=true with engine.backend=torch does not run on the simulated GPU (FSDP2 "
-                        "copies gradients to the host, which the simulation cannot give): plan it without "
-                        "--simulate, or simulate engine.backend=shardtune")
     mesh = build_mesh(device.type, policy.strategy, policy.hybrid_shard_size)
     _states_to(module, device)
     mp = MixedPrecisionPolicy(param_dtype=policy.mixed_precision.param_dtype,
