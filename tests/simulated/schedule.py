@@ -34,8 +34,10 @@ def _index(trace: list[tuple], pred) -> list[int]:
 
 def offload_copies_on_copy_stream() -> None:
     """Finding 4: offload's H2D copies, their casts and the all-gathers that read them go on the copy stream; the
-    compute stream waits on each gather's event, never on the whole copy stream."""
-    trace = _step("full_shard", cpu_offload=True, mixed_precision=dataclasses.replace(
+    compute stream waits on each gather's event, never on the whole copy stream. The units' copies, with the
+    tables in the root (engine.vocab_parallel=false): row-sharded tables are copied by vocab.py at their use, on the
+    compute stream, and their token all-gathers run there too."""
+    trace = _step("full_shard", cpu_offload=True, vocab_parallel=False, mixed_precision=dataclasses.replace(
         policy_for(build_model("tiny-llama"), "full_shard", world=2).mixed_precision, param_dtype=torch.bfloat16))
     copies = [e for e in trace if e[0] == "op" and e[2] in ("h2d", "cast")]
     gathers = [e for e in trace if e[0] == "op" and e[2] == "all_gather"]
@@ -58,8 +60,10 @@ def hybrid_all_reduce_on_its_stream() -> None:
     for that reduce-scatter), and the compute stream waits for the all-reduces only at the end of backward,
     before clipping's norm all-reduce."""
     trace = _step("hybrid_shard", hybrid_shard_size=2)
-    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter")
-    ar = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and e[3])
+    # The units' gradients (the row-sharded tables' reduce-scatter activations, and their gradient is summed over
+    # the replicas at the end of backward: label "vocab")
+    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter" and e[3] != "vocab")
+    ar = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and e[3] not in ("", "vocab"))
     assert rs and len(ar) == len(rs)
     for i in rs:
         label = trace[i][3]

@@ -74,7 +74,7 @@ class Setup:
     packing: bool
     device_is_cpu: bool
     nf4: bool = False  # lora.quantize_base=nf4: the units' frozen Linear weights stored and gathered as NF4 bytes
-    backward_schedule: str = "staggered"  # overlap | staggered (engine/unit.py; `auto` resolved in from_recipe)
+    backward_schedule: str = "staggered"  # overlap | staggered (engine/unit.py; `auto` resolved by resolve_engine)
     loss_chunk: int = 0  # train.loss_chunk_tokens (loss.py): tokens per chunk of the fused head + loss; 0: full logits
     nf4_tile_bytes: int = 0  # engine.nf4_tile_mb (engine/nf4_linear.py, our backend); 0: torchao's whole weight
     vocab_parallel: bool = False  # engine.vocab_parallel (engine/vocab.py, our backend): tables never gathered
@@ -86,22 +86,23 @@ class Setup:
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
-        e = r.engine
-        return cls(strategy=e.strategy, world=world, nodes=nodes, hybrid_shard_size=e.hybrid_shard_size,
-                   compute=DTYPES[e.mixed_precision], reduce=DTYPES[e.reduce_dtype],
-                   checkpointing=e.activation_checkpointing, offload=e.cpu_offload, lora=r.lora.enabled,
+        """The engine's knobs as train resolves them (config/resolve.py), the rest from the recipe."""
+        from shardtune.config.resolve import resolve_engine
+
+        p = resolve_engine(r, world_size=world, local_world_size=max(1, world // nodes), accelerator=not device_is_cpu)
+        ours = r.engine.backend == "shardtune"
+        return cls(strategy=p.strategy.value, world=world, nodes=nodes, hybrid_shard_size=p.hybrid_shard_size,
+                   compute=p.mixed_precision.param_dtype, reduce=p.mixed_precision.reduce_dtype,
+                   checkpointing=r.engine.activation_checkpointing, offload=p.cpu_offload, lora=r.lora.enabled,
                    micro_batch=rows_per_forward(r), seq_len=r.data.seq_len, grad_accum=r.train.grad_accum,
-                   sync_every_microstep=e.sync_every_microstep, prefetch=e.prefetch, packing=r.data.packing,
-                   device_is_cpu=device_is_cpu, nf4=r.lora.enabled and r.lora.quantize_base == "nf4",
-                   backward_schedule=e.backward_schedule if e.backward_schedule != "auto"
-                   else ("staggered" if device_is_cpu else "overlap"),
+                   sync_every_microstep=p.sync_every_microstep, prefetch=p.prefetch, packing=r.data.packing,
+                   device_is_cpu=device_is_cpu, nf4=p.quantize_base, backward_schedule=p.backward_schedule.value,
                    # DPO's log-probs take the full logits (dpo.py): the chunked loss is SFT's
                    loss_chunk=r.train.loss_chunk_tokens if r.train.objective == "sft" else 0,
-                   nf4_tile_bytes=int(e.nf4_tile_mb * (1 << 20)) if e.backend == "shardtune" else 0,
-                   vocab_parallel=e.vocab_parallel and e.backend == "shardtune",
-                   split_tables=e.vocab_parallel and e.backend == "torch",
-                   shard_adapter_states=e.shard_adapter_states and e.backend == "shardtune", backend=e.backend,
-                   offload_activations=e.offload_activations, mlp_chunk=e.mlp_chunk_tokens)
+                   nf4_tile_bytes=p.nf4_tile_bytes, vocab_parallel=p.vocab_parallel and ours,
+                   split_tables=p.vocab_parallel and not ours,
+                   shard_adapter_states=p.shard_replicated_states and ours, backend=r.engine.backend,
+                   offload_activations=p.offload_activations, mlp_chunk=p.mlp_chunk_tokens)
 
     @property
     def shard_size(self) -> int:
