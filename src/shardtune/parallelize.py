@@ -72,7 +72,7 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     engine = recipe.engine
     # 1. LoRA first: it replaces Linear modules and freezes the base, so units and frozen flags see the final tree.
     if recipe.lora.enabled:
-        apply_lora(model, recipe.lora, base_name=recipe.model.path or recipe.model.config)
+        apply_lora(model, recipe.lora, base_name=recipe.model.path or recipe.model.config, seed=recipe.train.seed)
         materialize_adapters(model, seed=recipe.train.seed)  # pretrained base on meta: peft put adapters there too
         if engine.mixed_precision == "bf16" and engine.backend == "shardtune":
             # The frozen base is only ever used in bf16 compute: store its shards in bf16 too (half the memory, no

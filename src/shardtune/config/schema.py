@@ -50,7 +50,9 @@ class LoraConfig:
     r: int = 16  # adapter rank: memory and capacity grow with it
     alpha: int = 32  # scale = alpha / r
     dropout: float = 0.0  # dropout on the adapters' input during training
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # module names that get adapters
+    # module names that get adapters (Linear modules by their last name part); `experts` = every fused expert weight
+    # of a mixture of experts (per expert); auto = q_proj, v_proj, plus the experts when the model has them
+    target_modules: list[str] = field(default_factory=lambda: ["auto"])
     # nf4 = QLoRA: the frozen Linear weights of the decoder blocks (LoRA-targeted or not) are stored, sharded and
     # all-gathered in 4-bit NF4 (~0.52 B/weight vs 2: ~3.9x less base memory and all-gather traffic), dequantized
     # per matmul (+1 bf16 weight temporary, ~+10-30% step time); embeddings, norms and lm_head stay in

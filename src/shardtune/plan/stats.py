@@ -105,12 +105,22 @@ class ModelStats:
         return sum(self.lora_sizes())
 
     def lora_sizes(self) -> list[int]:
-        """Each adapter tensor's numel in named_parameters() order: lora_A (r x in), then lora_B (out x r)."""
+        """Each adapter tensor's numel in named_parameters() order: lora_A (r x in), then lora_B (out x r); an expert
+        weight's adapters hold r x (in + out) per expert."""
+        from shardtune.experts import expert_weights, in_out, is_experts
+        from shardtune.lora_targets import resolve_targets
+
         lora = self.recipe.lora
-        targets = set(lora.target_modules)
-        return [n for name, m in self.model.named_modules()
-                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets
-                for n in (lora.r * m.in_features, lora.r * m.out_features)]
+        targets = resolve_targets(self.model, lora.target_modules)
+        sizes = []
+        for name, m in self.model.named_modules():
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets.linear:
+                sizes += [lora.r * m.in_features, lora.r * m.out_features]
+            elif is_experts(m):
+                for w in (w for w in expert_weights(m) if w in targets.expert_weights):
+                    e, fan_in, fan_out = in_out(m, w)
+                    sizes += [e * lora.r * fan_in, e * lora.r * fan_out]
+        return sizes
 
     def buffer_bytes(self) -> int:
         """Module buffers (rotary inv_freq, ...): replicated, not sharded, kept in their own dtype."""

@@ -1,0 +1,58 @@
+"""What `lora.target_modules` names in a model: Linear modules (peft's rule: the module name's last part) and fused
+expert weights (`experts` = all of them; `gate_up_proj` / `up_proj` / `down_proj` also name the expert weight of
+that name). `auto` = the attention's q_proj and v_proj, plus every expert weight when the model has experts.
+A target that matches nothing is a user error, said before anything is built (validate) or trained."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from shardtune.experts import EXPERTS_TARGET, expert_modules, expert_weights
+
+AUTO = "auto"
+AUTO_LINEAR = ("q_proj", "v_proj")
+ROUTERS = ("gate", "router")  # MoE routers are not Linear modules in transformers 5: no adapters on them yet
+
+
+@dataclass
+class Targets:
+    linear: list[str] = field(default_factory=list)  # peft target_modules
+    expert_weights: list[str] = field(default_factory=list)  # fused expert weights adapted (peft target_parameters)
+    missing: list[str] = field(default_factory=list)  # targets that match nothing
+    has_experts: bool = False
+    routers: list[str] = field(default_factory=list)  # targets naming a router (refused)
+
+    def problem(self) -> str:
+        if self.routers:
+            return (f"lora.target_modules: {self.routers} name the MoE router, which takes no adapters here (a "
+                    "router's weight is trained only with full fine-tuning): remove it")
+        return (f"lora.target_modules: {self.missing} match no module of this model: name Linear modules "
+                f"(e.g. q_proj, v_proj){', or experts' if self.has_experts else ''}, or use [auto]")
+
+
+def resolve_targets(model: nn.Module, targets: list[str]) -> Targets:
+    experts = expert_modules(model)
+    weights = [w for _, m in experts for w in expert_weights(m)]
+    linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    router_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                    if n.rsplit(".", 1)[-1] in ROUTERS and not isinstance(m, nn.Linear) and hasattr(m, "top_k")}
+    out = Targets(has_experts=bool(experts))
+    wanted = [*AUTO_LINEAR, EXPERTS_TARGET] if list(targets) == [AUTO] else list(targets)
+    for t in wanted:
+        matched = False
+        if t in linear_names:
+            out.linear.append(t)
+            matched = True
+        if t == EXPERTS_TARGET or t in weights:
+            out.expert_weights += [w for w in dict.fromkeys(weights) if (t == EXPERTS_TARGET or w == t)
+                                   and w not in out.expert_weights]
+            matched = matched or bool(weights)
+        if t in router_names:
+            out.routers.append(t)
+        elif not matched and not (t == EXPERTS_TARGET and list(targets) == [AUTO]):
+            out.missing.append(t)
+    out.expert_weights = [w for w in dict.fromkeys(weights) if w in out.expert_weights]  # forward order
+    if out.routers:
+        out.missing += out.routers
+    return out
