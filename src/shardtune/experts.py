@@ -114,7 +114,7 @@ def project(self: nn.Module, weight: str, x: torch.Tensor, offsets: torch.Tensor
     """One fused projection of expert-sorted rows: base (a tensor or NF4 experts) + bias + adapters."""
     w = getattr(self, weight)
     if hasattr(w, "grouped_linear"):  # NF4 experts (engine/nf4_experts.py): dequantized per group of experts
-        y = w.grouped_linear(x, offsets)
+        y = w.grouped_linear(x, offsets, transposed=self.is_transposed)
     else:
         y = F.grouped_mm(x.to(w.dtype), w if self.is_transposed else w.transpose(-2, -1), offs=offsets)
     bias = getattr(self, f"{weight}_bias", None)
@@ -137,3 +137,21 @@ def peft_expert_tensors(prefix: str, weight: str, targets: list[str],
     e, r, fan_in = a.shape
     return {f"{prefix}.{nesting}lora_A.weight": a.reshape(e * r, fan_in),
             f"{prefix}.{nesting}lora_B.weight": b.permute(1, 2, 0).reshape(b.shape[1], r * e)}
+
+
+def merge_factors(adapters: dict[str, torch.Tensor], model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Expert adapters {our name: tensor} -> {base weight name: (a, b)} with b @ a the update in the weight's storage
+    order (a batched matmul per expert): B·A for `[experts, out, in]`, (B·A)ᵀ = Aᵀ·Bᵀ for transposed storage.
+    `model` (meta is enough) says which experts modules store their weights transposed."""
+    transposed = {name for name, m in expert_modules(model) if m.is_transposed}
+    out = {}
+    for name, a in adapters.items():
+        module, _, leaf = name.rpartition(f".{ADAPTER}.")
+        if leaf != "lora_A":
+            continue
+        prefix, _, attr = module.rpartition(".")
+        b = adapters[f"{module}.{ADAPTER}.lora_B"].float()
+        a = a.float()
+        out[f"{prefix}.{attr.removeprefix('lora_')}"] = ((b.transpose(-2, -1), a.transpose(-2, -1))
+                                                         if prefix in transposed else (a, b))
+    return out

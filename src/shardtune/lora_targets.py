@@ -56,3 +56,17 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> Targets:
     if out.routers:
         out.missing += out.routers
     return out
+
+
+def target_problem(recipe) -> str | None:  # recipe: Recipe
+    """`validate`'s check: the targets against the model's modules, on a meta model (no weights)."""
+    if not recipe.lora.enabled:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.loading import build_empty
+    from shardtune.model import load_config
+
+    model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
+    targets = resolve_targets(model, recipe.lora.target_modules)
+    return targets.problem() if targets.missing else None

@@ -37,8 +37,8 @@ def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
         raise UserError("export --merge: rsLoRA adapters are not supported: export the adapter without --merge")
     scale = config.lora_alpha / config.r
     adapters = adapter_tensors(ckpt)  # {our name: tensor}
-    deltas = _deltas(adapters)
     recipe = _run_recipe(ckpt)
+    deltas = _deltas(adapters) | _expert_deltas(adapters, recipe)
     with ExitStack() as stack:
         written = write_safetensors(_merged(_base_tensors(recipe, stack), deltas, scale), out,
                                     max_shard_bytes=max_shard_bytes, progress=progress)
@@ -59,6 +59,20 @@ def _deltas(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
         b = adapters[name.replace(".lora_A.", ".lora_B.")]
         out[checkpoint_key(module + ".weight")] = (a.float(), b.float())
     return out
+
+
+def _expert_deltas(adapters: dict[str, torch.Tensor], recipe) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-expert adapters of fused 3-D expert weights (experts.py); the meta model says their storage order."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.experts import merge_factors
+    from shardtune.loading import build_empty
+    from shardtune.model import load_config
+
+    if not any(name.endswith(".lora_A") for name in adapters):
+        return {}
+    model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
+    return {checkpoint_key(k): v for k, v in merge_factors(adapters, model).items()}
 
 
 def _run_recipe(ckpt: Path):  # -> Recipe
