@@ -58,15 +58,30 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> Targets:
     return out
 
 
-def target_problem(recipe) -> str | None:  # recipe: Recipe
-    """`validate`'s check: the targets against the model's modules, on a meta model (no weights)."""
+def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
+    """The LoRA settings this model cannot take, one line each: unmatched targets, and what experts do not support."""
+    lora = recipe.lora
+    if not lora.enabled:
+        return []
+    targets = resolve_targets(model, lora.target_modules)
+    problems = [targets.problem()] if targets.missing else []
+    if targets.expert_weights and lora.dropout:
+        problems.append(f"lora.dropout={lora.dropout}: expert adapters take no dropout (one matmul per expert group "
+                        "cannot drop per token and adapter); set lora.dropout=0 or leave experts out of "
+                        "lora.target_modules")
+    if targets.has_experts and lora.quantize_base == "nf4" and recipe.engine.backend == "torch":
+        problems.append("lora.quantize_base=nf4 with engine.backend=torch: FSDP2 + torchao have no NF4 fused "
+                        "experts; use engine.backend=shardtune")
+    return problems
+
+
+def target_problems(recipe) -> list[str]:  # recipe: Recipe
+    """`validate`'s check, on a meta model (no weights)."""
     if not recipe.lora.enabled:
-        return None
+        return []
     from transformers import AutoModelForCausalLM
 
     from shardtune.loading import build_empty
     from shardtune.model import load_config
 
-    model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
-    targets = resolve_targets(model, recipe.lora.target_modules)
-    return targets.problem() if targets.missing else None
+    return moe_problems(recipe, build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model))))
