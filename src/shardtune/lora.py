@@ -33,7 +33,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, base_name: str | None = Non
     from peft import get_peft_model
 
     from shardtune.experts import apply_expert_lora, use_grouped_experts
-    from shardtune.lora_targets import resolve_targets
+    from shardtune.moe_checks import resolve_targets
 
     targets = resolve_targets(model, cfg.target_modules)
     if targets.missing:

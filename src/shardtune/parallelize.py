@@ -28,7 +28,7 @@ from shardtune.engine.wrap import resolve_unit_classes
 from shardtune.errors import UserError
 from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora, is_adapter
-from shardtune.lora_targets import moe_problems
+from shardtune.moe_checks import moe_problems
 from shardtune.seeded_init import init_full, init_into_shards
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -73,10 +73,10 @@ def sharding_policy(engine: EngineConfig, model: nn.Module, world_size: int, *, 
 def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world_size: int) -> ShardedModel:
     engine = recipe.engine
     # 1. LoRA first: it replaces Linear modules and freezes the base, so units and frozen flags see the final tree.
+    problems = moe_problems(recipe, model)
+    if problems:
+        raise UserError(problems[0])
     if recipe.lora.enabled:
-        problems = moe_problems(recipe, model)
-        if problems:
-            raise UserError(problems[0])
         apply_lora(model, recipe.lora, base_name=recipe.model.path or recipe.model.config, seed=recipe.train.seed)
         materialize_adapters(model, seed=recipe.train.seed)  # pretrained base on meta: peft put adapters there too
         if engine.mixed_precision == "bf16" and engine.backend == "shardtune":

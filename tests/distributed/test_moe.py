@@ -1,8 +1,8 @@
 """Mixture of experts through the real trainer (train.setup + train.train_step, the tiny-moe-cpu recipe with the
 product's defaults: vocab_parallel on, shard_adapter_states on): fp32, 8 steps, per-step loss and grad norm of
 1 rank x 4 micro-steps = 2 ranks x 2 = 4 ranks x 1 (full_shard and hybrid 2x2), within 1e-5, for full fine-tuning,
-LoRA (attention + every expert) and QLoRA (NF4 experts), on tiny Qwen3-MoE, Mixtral and gpt-oss. One spawn per
-world size."""
+LoRA (attention + every expert) and QLoRA (NF4 experts), on tiny Qwen3-MoE, Mixtral and gpt-oss, and full
+fine-tuning with the routers' balance loss (train.router_aux_loss_coef). One spawn per world size."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import torch.distributed as dist
-from tests.distributed.harness import grid, run_distributed
+from tests.distributed.harness import run_distributed
 
 from shardtune.config.load import load_recipe
 from shardtune.train import setup, train_step
@@ -20,7 +20,9 @@ STEPS = 8
 TOL = 1e-5
 MODELS = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss")
 MODES = {"full": [], "lora": ["lora.enabled=true", "lora.r=4"],
-         "qlora": ["lora.enabled=true", "lora.r=4", "lora.quantize_base=nf4"]}
+         "qlora": ["lora.enabled=true", "lora.r=4", "lora.quantize_base=nf4"],
+         "aux": ["train.router_aux_loss_coef=0.05"]}  # full fine-tuning + the routers' balance loss (not a default)
+CASES = [(m, mode) for m in MODELS for mode in ("full", "lora", "qlora")] + [("tiny-qwen3-moe", "aux")]
 ATTENTION = {"tiny-gpt-oss": ["model.attn_implementation=eager"]}  # its attention sinks have no sdpa path
 
 
@@ -39,19 +41,22 @@ def _steps(tmp: str, model: str, mode: str, strategy: str, accum: int) -> None:
         Path(tmp, f"{name}.json").write_text(json.dumps([{k: r[k] for k in ("loss", "grad_norm")} for r in records]))
 
 
+def _settings(tmp: str, strategies: list[str], accum: int) -> list[dict]:
+    return [dict(tmp=tmp, model=m, mode=mode, strategy=s, accum=accum) for m, mode in CASES for s in strategies]
+
+
 def test_moe_parity_across_world_sizes(tmp_path):
     tmp = str(tmp_path)
-    modes = list(MODES)
-    run_distributed(_steps, 1, grid(tmp=[tmp], model=MODELS, mode=modes, strategy=["full_shard"], accum=[4]))
-    run_distributed(_steps, 2, grid(tmp=[tmp], model=MODELS, mode=modes, strategy=["full_shard"], accum=[2]))
-    run_distributed(_steps, 4, grid(tmp=[tmp], model=MODELS, mode=modes, strategy=["full_shard", "hybrid_shard"],
-                                    accum=[1]))
-    for model in MODELS:
-        for mode in modes:
-            ref = json.loads((tmp_path / f"{model}-{mode}-full_shard-w1.json").read_text())
-            assert ref[-1]["loss"] < ref[0]["loss"], (model, mode)  # it trains
-            for other in ("full_shard-w2", "full_shard-w4", "hybrid_shard-w4"):
-                got = json.loads((tmp_path / f"{model}-{mode}-{other}.json").read_text())
-                for step, (a, b) in enumerate(zip(ref, got, strict=True)):
-                    for k in a:
-                        assert abs(a[k] - b[k]) <= TOL * max(1.0, abs(a[k])), (model, mode, other, step, k, a[k], b[k])
+    run_distributed(_steps, 1, _settings(tmp, ["full_shard"], 4))
+    run_distributed(_steps, 2, _settings(tmp, ["full_shard"], 2))
+    run_distributed(_steps, 4, _settings(tmp, ["full_shard", "hybrid_shard"], 1))
+    for model, mode in CASES:
+        ref = json.loads((tmp_path / f"{model}-{mode}-full_shard-w1.json").read_text())
+        assert ref[-1]["loss"] < ref[0]["loss"], (model, mode)  # it trains
+        for other in ("full_shard-w2", "full_shard-w4", "hybrid_shard-w4"):
+            got = json.loads((tmp_path / f"{model}-{mode}-{other}.json").read_text())
+            for step, (a, b) in enumerate(zip(ref, got, strict=True)):
+                for k in a:
+                    assert abs(a[k] - b[k]) <= TOL * max(1.0, abs(a[k])), (model, mode, other, step, k, a[k], b[k])
+    full, aux = (json.loads((tmp_path / f"tiny-qwen3-moe-{m}-full_shard-w1.json").read_text()) for m in ("full", "aux"))
+    assert aux[0]["loss"] > full[0]["loss"]  # the balance loss is in the loss (~coef per token at step 1)

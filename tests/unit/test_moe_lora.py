@@ -1,4 +1,4 @@
-"""LoRA on fused expert weights (experts.py, lora_targets.py), in process: the grouped forward equals transformers'
+"""LoRA on fused expert weights (experts.py, moe_checks.py), in process: the grouped forward equals transformers'
 own experts forward; adapters follow peft's per-expert LoRA exactly (a saved adapter loads with
 PeftModel.from_pretrained and gives our logits, and peft's merge gives the same model); targets resolve to what the
 model has, and a target matching nothing is a user error."""
@@ -14,7 +14,7 @@ from shardtune.config.schema import LoraConfig
 from shardtune.errors import UserError
 from shardtune.experts import expert_modules, use_grouped_experts
 from shardtune.lora import apply_lora, is_adapter, lora_config, save_adapter
-from shardtune.lora_targets import resolve_targets
+from shardtune.moe_checks import resolve_targets
 
 MOE = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss")
 
@@ -78,3 +78,30 @@ def test_experts_only_targets_and_auto():
 def test_unmatched_target_is_a_user_error(targets, words):
     with pytest.raises(UserError, match=words.replace("[", r"\[").replace("]", r"\]")):
         apply_lora(build("tiny-qwen3-moe"), LoraConfig(enabled=True, r=2, target_modules=targets))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_router_balance_is_transformers_loss_per_row(name):
+    """One row: our per-row balance loss (per token, / seq) is transformers' load_balancing_loss_func / top_k, layer by
+    layer; two rows: the sum of each row's own loss (what makes it exact under any split of the rows)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from shardtune.router_loss import RouterBalance
+
+    model = build(name)
+    balance = RouterBalance(model)
+    x = ids()
+    seq = x.shape[1]
+    per_row = []
+    for row in x:
+        balance.start()
+        model(input_ids=row[None])
+        layers = list(balance._seen)
+        ours = balance.loss(1, seq)
+        theirs = [load_balancing_loss_func((logits,), logits.shape[-1], idx.shape[-1]) / idx.shape[-1]
+                  for logits, idx in layers]
+        torch.testing.assert_close(ours, sum(theirs) / len(theirs), rtol=1e-5, atol=1e-6)
+        per_row.append(ours)
+    balance.start()
+    model(input_ids=x)
+    torch.testing.assert_close(balance.loss(x.shape[0], seq), sum(per_row), rtol=1e-5, atol=1e-6)

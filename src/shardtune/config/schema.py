@@ -199,6 +199,9 @@ class TrainConfig:
     # Tokens per chunk of the fused head projection + cross-entropy (loss.py): only C*V logits ever exist instead of
     # b*s*V (compute dtype + fp32 + fp32 gradient). 0 = off: today's path, full logits.
     loss_chunk_tokens: int = 1024
+    # Mixtures of experts: weight of the routers' load-balancing loss (router_loss.py: per packed row, so data
+    # parallelism stays exact), added to the SFT loss. 0 = off (the models' own config value is not used).
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.objective in ("sft", "dpo"), "train.objective", f"must be sft or dpo, got {self.objective!r}")
@@ -213,7 +216,7 @@ class TrainConfig:
         for key in ("micro_batch_size", "grad_accum", "log_every", "eval_batches", "demo_eval_samples"):
             _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "keep_last",
-                    "skip_nonfinite", "loss_chunk_tokens"):
+                    "skip_nonfinite", "loss_chunk_tokens", "router_aux_loss_coef"):
             _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _check(self.schedule in ("cosine", "linear", "constant"), "train.schedule",

@@ -108,7 +108,7 @@ class ModelStats:
         """Each adapter tensor's numel in named_parameters() order: lora_A (r x in), then lora_B (out x r); an expert
         weight's adapters hold r x (in + out) per expert."""
         from shardtune.experts import expert_weights, in_out, is_experts
-        from shardtune.lora_targets import resolve_targets
+        from shardtune.moe_checks import resolve_targets
 
         lora = self.recipe.lora
         targets = resolve_targets(self.model, lora.target_modules)

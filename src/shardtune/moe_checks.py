@@ -1,7 +1,8 @@
 """What `lora.target_modules` names in a model: Linear modules (peft's rule: the module name's last part) and fused
 expert weights (`experts` = all of them; `gate_up_proj` / `up_proj` / `down_proj` also name the expert weight of
 that name). `auto` = the attention's q_proj and v_proj, plus every expert weight when the model has experts.
-A target that matches nothing is a user error, said before anything is built (validate) or trained."""
+A target that matches nothing, and any MoE setting we do not support, is a user error in one line, said by
+`validate` (on a meta model) and again before anything is sharded (parallelize)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,12 +60,18 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> Targets:
 
 
 def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
-    """The LoRA settings this model cannot take, one line each: unmatched targets, and what experts do not support."""
-    lora = recipe.lora
+    """The settings this model cannot take, one line each: unmatched LoRA targets, what experts do not support."""
+    lora, coef = recipe.lora, recipe.train.router_aux_loss_coef
+    problems = []
+    if coef and not expert_modules(model):
+        problems.append(f"train.router_aux_loss_coef={coef}: the model has no experts (no router to balance); set 0")
+    elif coef and recipe.train.objective != "sft":
+        problems.append(f"train.router_aux_loss_coef={coef}: the balance loss is added to the sft objective only; "
+                        "set 0 with train.objective=dpo")
     if not lora.enabled:
-        return []
+        return problems
     targets = resolve_targets(model, lora.target_modules)
-    problems = [targets.problem()] if targets.missing else []
+    problems += [targets.problem()] if targets.missing else []
     if targets.expert_weights and lora.dropout:
         problems.append(f"lora.dropout={lora.dropout}: expert adapters take no dropout (one matmul per expert group "
                         "cannot drop per token and adapter); set lora.dropout=0 or leave experts out of "
@@ -75,9 +82,9 @@ def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
     return problems
 
 
-def target_problems(recipe) -> list[str]:  # recipe: Recipe
+def model_problems(recipe) -> list[str]:  # recipe: Recipe
     """`validate`'s check, on a meta model (no weights)."""
-    if not recipe.lora.enabled:
+    if not recipe.lora.enabled and not recipe.train.router_aux_loss_coef:
         return []
     from transformers import AutoModelForCausalLM
 
