@@ -81,13 +81,18 @@ def apply_expert_lora(model: nn.Module, *, r: int, alpha: float, seed: int) -> l
     return adapted
 
 
-def use_grouped_experts(model: nn.Module) -> None:
-    """Route every experts module through `experts_forward` (registered once per process)."""
+def register_experts_implementation() -> str:
+    """Make `experts_forward` selectable as transformers' experts implementation `shardtune` (once per process)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
-    model.set_experts_implementation(IMPLEMENTATION)
+    return IMPLEMENTATION
+
+
+def use_grouped_experts(model: nn.Module) -> None:
+    """Route every experts module of `model` through `experts_forward`."""
+    model.set_experts_implementation(register_experts_implementation())
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
