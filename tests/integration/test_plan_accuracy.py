@@ -15,6 +15,7 @@ from shardtune.plan.accuracy import (
     default_grid,
     demo_grid,
     dpo_grid,
+    moe_grid,
     qlora_grid,
     run,
     vocab_grid,
@@ -43,12 +44,16 @@ def test_plan_predicts_measured_peak_within_5_percent(tmp_path) -> None:
     vocab = vocab_grid(subset=True)
     on_off = [any(f"{k}=0" in o for o in c.overrides) for c in vocab for k in ("train.loss_chunk_tokens",)]
     assert len(vocab) >= 6 and any(on_off) and not all(on_off) and {c.world for c in vocab} == {1, 2, 4}
-    rows = run(cases + demo + qlora + dpo + vocab, tmp_path)
+    # Mixture of experts (issue 29): every expert's params, routed tokens' activations, NF4 experts, expert adapters.
+    moe = moe_grid()
+    assert len(moe) >= 4 and {c.arch for c in moe} == {"moe"}
+    rows = run(cases + demo + qlora + dpo + vocab + moe, tmp_path)
     tables = []
     n, m, q, d = (len(cases), len(cases) + len(demo), len(cases) + len(demo) + len(qlora),
                   len(cases) + len(demo) + len(qlora) + len(dpo))
     for title, part in (("validation grid", rows[:n]), ("demo recipes", rows[n:m]), ("QLoRA", rows[m:q]),
-                        ("DPO", rows[q:d]), ("chunked loss / tiled NF4", rows[d:])):
+                        ("DPO", rows[q:d]), ("chunked loss / tiled NF4", rows[d:-len(moe)]),
+                        ("mixture of experts", rows[-len(moe):])):
         tables.append(f"{title}:\n" + "\n".join(f"{r['name']:<40} predicted {r['predicted']:>11,} measured "
                                                 f"{r['measured']:>11,} {r['error']:+.1%}" for r in part))
     print("\n\n".join(tables))
