@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardtune import accelerator
+
 ADAPTER = "default"  # peft's adapter name (lora.py): it marks a parameter as an adapter (replicated by the engine)
 EXPERTS_TARGET = "experts"  # lora.target_modules entry: every expert weight of every MoE layer
 WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")  # fused expert weights transformers 5 names, in forward order
@@ -102,7 +104,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     num_tokens, hidden = hidden_states.shape
     k = top_k_index.size(-1)
     ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # (S,) S = tokens·k pairs, grouped by expert
-    offsets = torch.bincount(ids, minlength=self.num_experts).cumsum(0).to(torch.int32)
+    offsets = routed_offsets(ids, self.num_experts)
     x = hidden_states[perm // k]
     first = "gate_up_proj" if self.has_gate else "up_proj"
     h = project(self, first, x, offsets, ids)
@@ -115,21 +117,49 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     return y.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x (S, in) rows sorted by expert @ w (E, in, out) per expert. torch's grouped kernel needs 16-byte aligned
+    strides (a rank-4 bf16 adapter's rows are 8 bytes) and, on an accelerator, bf16; otherwise transformers'
+    per-expert fallback op (a loop with one host read)."""
+    # forward and both gradients: every dim of both matrices (in, out, the adapters' r) a multiple of 16 bytes
+    aligned = x.stride(-1) == 1 and all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], *w.shape[-2:]))
+    if aligned and (x.dtype == torch.bfloat16 or not accelerator.is_accelerator(x.device)):
+        return F.grouped_mm(x, w, offs=offsets)
+    from transformers.integrations import moe  # registers torch.ops.transformers.grouped_mm_fallback
+
+    assert moe is not None
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offsets)
+
+
+def balanced_ends(num_slots: int, num_experts: int) -> list[int]:
+    return [num_slots * (e + 1) // num_experts for e in range(num_experts)]
+
+
+def routed_offsets(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int32 cumulative routed rows per expert. The simulated GPU (plan --simulate) holds no data: there the
+    router is taken to spread the rows evenly, the plan's assumption."""
+    if accelerator.is_simulated(ids.device):
+        return torch.tensor(balanced_ends(ids.numel(), num_experts), dtype=torch.int32, device=ids.device)
+    return torch.bincount(ids, minlength=num_experts).cumsum(0).to(torch.int32)
+
+
 def project(self: nn.Module, weight: str, x: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """One fused projection of expert-sorted rows: base (a tensor or NF4 experts) + bias + adapters."""
     w = getattr(self, weight)
     if hasattr(w, "grouped_linear"):  # NF4 experts (engine/nf4_experts.py): dequantized per group of experts
         y = w.grouped_linear(x, offsets, transposed=self.is_transposed)
     else:
-        y = F.grouped_mm(x.to(w.dtype), w if self.is_transposed else w.transpose(-2, -1), offs=offsets)
+        y = grouped_mm(x.to(w.dtype), w if self.is_transposed else w.transpose(-2, -1), offsets)
     bias = getattr(self, f"{weight}_bias", None)
     if bias is not None:
         y = y + bias[ids]
     lora = getattr(self, f"lora_{weight}", None)
     if lora is not None:
-        a = lora[ADAPTER]
-        xa = F.grouped_mm(x.to(a.lora_A.dtype), a.lora_A.transpose(-2, -1), offs=offsets)  # (S, r)
-        y = y + (a.scale * F.grouped_mm(xa, a.lora_B.transpose(-2, -1), offs=offsets)).to(y.dtype)
+        # In the compute dtype, as autocast would (the fp32 adapters get their gradient through the cast): CUDA's
+        # grouped kernel takes bf16 only, and a bf16 run's rows are bf16 already.
+        a, dt = lora[ADAPTER], x.dtype
+        xa = grouped_mm(x, a.lora_A.to(dt).transpose(-2, -1), offsets)  # (S, r)
+        y = y + (a.scale * grouped_mm(xa, a.lora_B.to(dt).transpose(-2, -1), offsets)).to(y.dtype)
     return y
 
 

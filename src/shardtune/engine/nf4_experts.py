@@ -15,10 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from shardtune import accelerator
 from shardtune.engine.nf4 import NF4Tensor
 from shardtune.engine.nf4_linear import _buffer, block_scalers, dequantize_rows
+from shardtune.experts import balanced_ends, grouped_mm
 
 
 class Nf4Experts:
@@ -41,9 +42,12 @@ class Nf4Experts:
         return _GroupedNf4.apply(x, offsets, self, transposed)
 
 
-def _runs(w: Nf4Experts, offsets: torch.Tensor):
+def _runs(w: Nf4Experts, offsets: torch.Tensor, rows: int):
     """(first expert, last + 1, first row, last row + 1, local offsets) of each run of experts with rows."""
-    ends = offsets.tolist()  # one host read per projection (a GPU sync), for the runs' row ranges
+    if accelerator.is_simulated(offsets.device):  # no data: the even split routed_offsets assumed
+        ends = balanced_ends(rows, w.shape[0])
+    else:
+        ends = offsets.tolist()  # one host read per projection (a GPU sync), for the runs' row ranges
     n = w.experts_per_run()
     for e0 in range(0, w.shape[0], n):
         e1 = min(w.shape[0], e0 + n)
@@ -66,9 +70,9 @@ class _GroupedNf4(torch.autograd.Function):
         out_f = w.shape[2] if transposed else w.shape[1]
         y = torch.zeros(x.shape[0], out_f, dtype=x.dtype, device=x.device)
         scalers = block_scalers(w.matrix)
-        for e0, e1, r0, r1, local in _runs(w, offsets):
+        for e0, e1, r0, r1, local in _runs(w, offsets, x.shape[0]):
             wt = _dequantized(w, e0, e1, scalers, x.dtype)
-            y[r0:r1] = F.grouped_mm(x[r0:r1], wt if transposed else wt.transpose(-2, -1), offs=local)
+            y[r0:r1] = grouped_mm(x[r0:r1], wt if transposed else wt.transpose(-2, -1), local)
         return y
 
     @staticmethod
@@ -79,7 +83,7 @@ class _GroupedNf4(torch.autograd.Function):
         g = grad_y.contiguous()
         gx = torch.zeros(g.shape[0], in_f, dtype=g.dtype, device=g.device)
         scalers = block_scalers(w.matrix)
-        for e0, e1, r0, r1, local in _runs(w, offsets):
+        for e0, e1, r0, r1, local in _runs(w, offsets, g.shape[0]):
             wt = _dequantized(w, e0, e1, scalers, g.dtype)
-            gx[r0:r1] = F.grouped_mm(g[r0:r1], wt.transpose(-2, -1) if transposed else wt, offs=local)
+            gx[r0:r1] = grouped_mm(g[r0:r1], wt.transpose(-2, -1) if transposed else wt, local)
         return gx, None, None, None
