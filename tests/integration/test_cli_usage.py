@@ -58,6 +58,10 @@ RECIPE_ERRORS: list[tuple[list[str], str]] = [
     (["slurm", "no-such-recipe", "--nodes", "1"], "no-such-recipe"),
     (["train", "tiny-cpu", "engine.strategy=everything"], "engine.strategy"),
     (["prepare", "tiny-cpu", "data.path=no-such-file.jsonl"], "no-such-file.jsonl"),
+    # mixtures of experts: a LoRA target that matches nothing, a router target, the balance loss without experts
+    (["validate", "tiny-moe-cpu", "lora.enabled=true", "lora.target_modules=[gate_proj]"], "lora.target_modules"),
+    (["train", "tiny-moe-cpu", "lora.enabled=true", "lora.target_modules=[q_proj,gate]"], "router"),
+    (["validate", "tiny-cpu", "train.router_aux_loss_coef=0.01"], "train.router_aux_loss_coef"),
 ]
 
 COMMANDS = ["train", "validate", "plan", "slurm", "export", "recipes", "prepare"]
