@@ -139,16 +139,17 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
         mlp = 4 * bs * d.intermediate * c
     extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
     if d.moe:
-        extra += routing_bytes(d, bs, c, lora_experts=s.lora)
+        extra += routing_bytes(stats, d, bs, c, lora_experts=s.lora)
     if stats.recipe.model.attn_implementation == "eager":
         extra += b * d.num_heads * n * n * (4 + c)  # softmax output (fp32) and its cast, saved for backward
     return norms + attn + mlp + extra
 
 
-def routing_bytes(d, tokens: int, c: int, *, lora_experts: bool) -> int:
+def routing_bytes(stats: ModelStats, d, tokens: int, c: int, *, lora_experts: bool) -> int:
     from shardtune.plan.moe import routing_bytes as moe_routing
 
-    return moe_routing(d.moe, d.hidden, tokens, c, lora=lora_experts)
+    experts = stats.expert_adapter_numel() // d.num_layers if lora_experts else 0
+    return moe_routing(d.moe, d.hidden, tokens, c, lora=lora_experts and experts > 0, adapter_numel=experts)
 
 
 def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:

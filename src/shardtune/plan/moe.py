@@ -32,13 +32,14 @@ def nf4_experts_bytes(shape: tuple[int, int, int], c: int, tile: int) -> tuple[i
     return run * per_expert, run * a * b * 2 + e * a * b // 64 * c
 
 
-def routing_bytes(moe: MoeDims, hidden: int, tokens: int, c: int, *, lora: bool) -> int:
+def routing_bytes(moe: MoeDims, hidden: int, tokens: int, c: int, *, lora: bool, adapter_numel: int = 0) -> int:
     """What a MoE layer saves beyond the routed MLP's intermediates (Dims.intermediate = top_k x the expert's width):
     the token rows gathered per expert and the experts' outputs before and after the routing weights (3 x top_k
     rows of hidden per token, compute dtype, one of them freed by the un-permute), the router's fp32 logits and
     softmax (2 x experts x 4 B) and its int64 top-k indices and sort permutation (24 B per routed slot). Expert
-    adapters add their (rows, hidden) input cast and their (rows, r) products (counted with the adapters).
-    Measured with saved_tensors_hooks on Qwen3-MoE (8 experts, top-2): 12404 B/token (fp32) vs 12400 here."""
+    adapters add one (rows, hidden) tensor per token slot, and in a bf16 run their bf16 casts (`adapter_numel`
+    weights of the layer), which the grouped matmuls save for backward. Measured with saved_tensors_hooks on
+    Qwen3-MoE (8 experts, top-2): 12404 B/token (fp32) vs 12400 here."""
     k = moe.top_k
     per_token = 2 * k * hidden * c + 2 * moe.num_experts * 4 + 24 * k + (k * hidden * c if lora else 0)
-    return tokens * per_token
+    return tokens * per_token + (adapter_numel * c if lora and c != 4 else 0)

@@ -117,6 +117,16 @@ class ModelStats:
         """Adapter params peft would add: r·(in + out) per targeted Linear (matched by the module name's last part)."""
         return sum(self.lora_sizes())
 
+    def expert_adapter_numel(self) -> int:
+        """Adapter params on fused expert weights (per expert, every layer)."""
+        from shardtune.experts import expert_weights, in_out, is_experts
+        from shardtune.moe_checks import resolve_targets
+
+        lora = self.recipe.lora
+        targets = resolve_targets(self.model, lora.target_modules)
+        return sum(lora.r * (fi + fo) * e for _, m in self.model.named_modules() if is_experts(m)
+                   for w in expert_weights(m) if w in targets.expert_weights for e, fi, fo in [in_out(m, w)])
+
     def lora_sizes(self) -> list[int]:
         """Each adapter tensor's numel in named_parameters() order: lora_A (r x in), then lora_B (out x r); an expert
         weight's adapters hold r x (in + out) per expert."""
