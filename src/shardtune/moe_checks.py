@@ -76,6 +76,9 @@ def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
         problems.append(f"lora.dropout={lora.dropout}: expert adapters take no dropout (one matmul per expert group "
                         "cannot drop per token and adapter); set lora.dropout=0 or leave experts out of "
                         "lora.target_modules")
+    if targets.expert_weights and recipe.train.objective == "dpo":
+        problems.append("train.objective=dpo with LoRA on experts: DPO's reference (adapters off) cannot switch "
+                        "expert adapters off yet; leave experts out of lora.target_modules (e.g. [q_proj, v_proj])")
     if targets.has_experts and lora.quantize_base == "nf4" and recipe.engine.backend == "torch":
         problems.append("lora.quantize_base=nf4 with engine.backend=torch: FSDP2 + torchao have no NF4 fused "
                         "experts; use engine.backend=shardtune")

@@ -62,6 +62,8 @@ RECIPE_ERRORS: list[tuple[list[str], str]] = [
     (["validate", "tiny-moe-cpu", "lora.enabled=true", "lora.target_modules=[gate_proj]"], "lora.target_modules"),
     (["train", "tiny-moe-cpu", "lora.enabled=true", "lora.target_modules=[q_proj,gate]"], "router"),
     (["validate", "tiny-cpu", "train.router_aux_loss_coef=0.01"], "train.router_aux_loss_coef"),
+    (["validate", "tiny-moe-cpu", "lora.enabled=true", "train.objective=dpo", "data.format=preference",
+      "data.path=builtin:prefer-reverse", "train.demo_eval=false"], "train.objective=dpo"),
 ]
 
 COMMANDS = ["train", "validate", "plan", "slurm", "export", "recipes", "prepare"]
