@@ -47,8 +47,14 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     # a hub id's weights are fetched by the trainer (hub.fetch_for_ranks), not by plan or validate
     if cfg.init == "pretrained" and not is_hub_id(cfg.path) and not any(Path(cfg.path).glob("*.safetensors")):
         raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
-    model = build_empty(lambda: AutoModelForCausalLM.from_config(
-        hf_config, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation)))
+    try:
+        model = build_empty(lambda: AutoModelForCausalLM.from_config(
+            hf_config, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation)))
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        raise UserError(f"model.attn_implementation: {hf_config.model_type} has no '{cfg.attn_implementation}' "
+                        "attention in transformers: set model.attn_implementation=eager") from None
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)

@@ -27,6 +27,7 @@ from shardtune.errors import UserError
 from shardtune.hub import WEIGHTS, model_dir
 from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora
+from shardtune.moe_checks import moe_problems
 from shardtune.seeded_init import init_full, init_into_shards
 from shardtune.tiled_mlp import apply_mlp_chunking
 
@@ -46,10 +47,13 @@ def sharding_policy(recipe: Recipe, model: nn.Module, *, world_size: int,
 def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world_size: int) -> ShardedModel:
     engine = recipe.engine
     # 1. LoRA first: it replaces Linear modules and freezes the base, so units and frozen flags see the final tree.
+    problems = moe_problems(recipe, model)
+    if problems:
+        raise UserError(problems[0])
     if recipe.lora.enabled:
         # the adapter's base: the model folder or hub id it was trained over (a random init has none on any disk)
         base_name = recipe.model.path if recipe.model.init == "pretrained" else None
-        apply_lora(model, recipe.lora, base_name=base_name)
+        apply_lora(model, recipe.lora, base_name=base_name, seed=recipe.train.seed)
         materialize_adapters(model, seed=recipe.train.seed)  # pretrained base on meta: peft put adapters there too
         if engine.mixed_precision == "bf16" and engine.backend == "shardtune":
             # The frozen base is only ever used in bf16 compute: store its shards in bf16 too (half the memory, no

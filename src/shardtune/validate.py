@@ -10,6 +10,7 @@ from shardtune.errors import UserError
 def recipe_problems(recipe: Recipe) -> list[str]:
     from shardtune.data.check import data_problems
     from shardtune.model import build_tokenizer, load_config
+    from shardtune.moe_checks import model_problems
     from shardtune.trackers import tracker_problems
 
     t = recipe.train
@@ -22,6 +23,7 @@ def recipe_problems(recipe: Recipe) -> list[str]:
         if positions is not None and recipe.data.seq_len > positions:
             problems.append(f"data.seq_len={recipe.data.seq_len} exceeds the model's max_position_embeddings="
                             f"{positions}: set data.seq_len <= {positions}")
+        problems += model_problems(recipe)
     except UserError as e:
         problems.append(str(e))
     try:

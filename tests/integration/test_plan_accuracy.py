@@ -16,6 +16,7 @@ from shardtune.plan.accuracy import (
     demo_grid,
     dpo_grid,
     long_context_grid,
+    moe_grid,
     qlora_grid,
     run,
     vocab_grid,
@@ -47,13 +48,17 @@ def test_plan_predicts_measured_peak_within_5_percent(tmp_path) -> None:
     # Long context: seq 8,192 on packed long documents, checkpointing, activation offloading, LoRA, 1 and 2 ranks.
     long = long_context_grid()
     assert len(long) >= 6 and all("data.seq_len=8192" in c.overrides for c in long)
-    rows = run(cases + demo + qlora + dpo + vocab + long, tmp_path)
+    # Mixture of experts: every expert's params, routed tokens' activations, NF4 experts, expert adapters.
+    moe = moe_grid()
+    assert len(moe) >= 4 and {c.arch for c in moe} == {"moe"}
+    rows = run(cases + demo + qlora + dpo + vocab + long + moe, tmp_path)
     tables = []
     n, m, q, d = (len(cases), len(cases) + len(demo), len(cases) + len(demo) + len(qlora),
                   len(cases) + len(demo) + len(qlora) + len(dpo))
     v = d + len(vocab)
     for title, part in (("validation grid", rows[:n]), ("demo recipes", rows[n:m]), ("QLoRA", rows[m:q]),
-                        ("DPO", rows[q:d]), ("chunked loss / tiled NF4", rows[d:v]), ("seq 8192", rows[v:])):
+                        ("DPO", rows[q:d]), ("chunked loss / tiled NF4", rows[d:v]),
+                        ("seq 8192", rows[v:v + len(long)]), ("mixture of experts", rows[v + len(long):])):
         tables.append(f"{title}:\n" + "\n".join(f"{r['name']:<40} predicted {r['predicted']:>11,} measured "
                                                 f"{r['measured']:>11,} {r['error']:+.1%}" for r in part))
     print("\n\n".join(tables))

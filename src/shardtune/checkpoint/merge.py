@@ -47,9 +47,14 @@ def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
     if getattr(config, "use_rslora", False):
         raise UserError("export --merge: rsLoRA adapters are not supported: export the adapter without --merge")
     scale = config.lora_alpha / config.r
+    if final and getattr(config, "target_parameters", None):
+        # final/ holds expert adapters in peft's target_parameters layout; the checkpoint holds ours, whose storage
+        # order the merge knows (experts.merge_factors)
+        raise UserError(f"export --merge: '{ckpt}' adapts MoE expert weights: merge from the run's checkpoint "
+                        "(checkpoints/latest) instead of final/")
     adapters = _peft_tensors(ckpt) if final else adapter_tensors(ckpt)  # {parameter name: tensor}
-    deltas = _deltas(adapters)
     recipe = _run_recipe(ckpt.parent if final else ckpt.parent.parent)
+    deltas = _deltas(adapters) | _expert_deltas(adapters, recipe)
     with ExitStack() as stack:
         written = write_safetensors(_merged(_base_tensors(recipe, stack), deltas, scale), out,
                                     max_shard_bytes=max_shard_bytes, progress=progress)
@@ -81,6 +86,20 @@ def _deltas(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
         b = adapters[name.replace(".lora_A.", ".lora_B.")]
         out[checkpoint_key(module + ".weight")] = (a.float(), b.float())
     return out
+
+
+def _expert_deltas(adapters: dict[str, torch.Tensor], recipe) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-expert adapters of fused 3-D expert weights (experts.py); the meta model says their storage order."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.experts import merge_factors
+    from shardtune.loading import build_empty
+    from shardtune.model import load_config
+
+    if not any(name.endswith(".lora_A") for name in adapters):
+        return {}
+    model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
+    return {checkpoint_key(k): v for k, v in merge_factors(adapters, model).items()}
 
 
 def _run_recipe(run_dir: Path):  # -> Recipe

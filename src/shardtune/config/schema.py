@@ -50,7 +50,9 @@ class LoraConfig:
     r: int = 16  # adapter rank: memory and capacity grow with it
     alpha: int = 32  # scale = alpha / r
     dropout: float = 0.0  # dropout on the adapters' input during training
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # module names that get adapters
+    # module names that get adapters (Linear modules by their last name part); `experts` = every fused expert weight
+    # of a mixture of experts (per expert); auto = q_proj, v_proj, plus the experts when the model has them
+    target_modules: list[str] = field(default_factory=lambda: ["auto"])
     # nf4 = QLoRA: the frozen Linear weights of the decoder blocks (LoRA-targeted or not) are stored, sharded and
     # all-gathered in 4-bit NF4 (~0.52 B/weight vs 2: ~3.9x less base memory and all-gather traffic), dequantized
     # per matmul (+1 bf16 weight temporary, ~+10-30% step time); embeddings, norms and lm_head stay in
@@ -221,6 +223,9 @@ class TrainConfig:
     # Tokens per chunk of the fused head projection + cross-entropy (loss.py): only C*V logits ever exist instead of
     # b*s*V (compute dtype + fp32 + fp32 gradient). 0 = off: today's path, full logits.
     loss_chunk_tokens: int = 1024
+    # Mixtures of experts: weight of the routers' load-balancing loss (router_loss.py: per packed row, so data
+    # parallelism stays exact), added to the SFT loss. 0 = off (the models' own config value is not used).
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.objective in ("sft", "dpo"), "train.objective", f"must be sft or dpo, got {self.objective!r}")
@@ -241,7 +246,7 @@ class TrainConfig:
         for key in ("micro_batch_size", "grad_accum", "log_every", "eval_batches", "demo_eval_samples"):
             _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "keep_last",
-                    "skip_nonfinite", "loss_chunk_tokens"):
+                    "skip_nonfinite", "loss_chunk_tokens", "router_aux_loss_coef"):
             _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _check(self.schedule in ("cosine", "linear", "constant"), "train.schedule",

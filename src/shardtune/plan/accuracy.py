@@ -21,6 +21,13 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_si
          "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
+# A mixture of experts of the same scale (Qwen3-MoE: 8 experts, 2 active per token, fused 3-D expert weights).
+MOE_MODEL = {**{k: v for k, v in MODEL.items() if k not in ("architectures", "model_type")},
+             "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "intermediate_size": 688,
+             "moe_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+             "head_dim": 32}
+ARCHS = {"llama": MODEL, "moe": MOE_MODEL}
+
 BASE = ["train.max_steps=2", "train.profile_memory=true", "train.demo_eval=false", "train.save_final=false",
         "train.eval_every=0", "data.eval_fraction=0.0", "data.num_samples=300", "train.warmup_steps=0",
         "launch.device=cpu", "launch.threads_per_worker=1", "hardware.gpu=cpu"]
@@ -35,6 +42,7 @@ class Case:
     own_model: bool = True  # False: the recipe's own model (the demo recipes as users run them)
     vocab: int | None = None  # the own model with this vocabulary instead of MODEL's
     long_docs: bool = False  # data: LONG_DOCS text documents of LONG_DOC_CHARS characters (char tokenizer)
+    arch: str = "llama"  # the own model: MODEL, or MOE_MODEL ("moe")
 
 
 GRID = [  # world, strategy, precision, micro-batch, seq_len, extra overrides (a label for the name)
@@ -113,6 +121,24 @@ def dpo_grid() -> list[Case]:
                   f"data.seq_len={s}", *DPO, *extra)) for w, mb, s, extra in DPO_GRID]
 
 
+# Mixture of experts (issue 29): every expert's parameters, the routed tokens' activations (top-k rows per token),
+# NF4 experts and per-expert adapters; full fine-tuning, LoRA (attention + experts) and QLoRA, world 1/2.
+MOE_LORA = ("lora.enabled=true", "lora.r=8", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]")
+MOE_GRID = [  # world, precision, micro-batch, seq_len, extra overrides (a label for the name)
+    (1, "fp32", 2, 128, ("full",)), (2, "fp32", 2, 256, ("full",)),
+    (2, "fp32", 2, 128, ("lora", *MOE_LORA)), (2, "fp32", 2, 128, ("qlora", *MOE_LORA, "lora.quantize_base=nf4")),
+]
+
+
+def moe_grid() -> list[Case]:
+    cases = []
+    for world, mp_, mb, s, (label, *overrides) in MOE_GRID:
+        cases.append(Case(f"w{world} moe {label} {mp_} mb{mb} s{s}", world,
+                          ("engine.strategy=full_shard", f"engine.mixed_precision={mp_}",
+                           f"train.micro_batch_size={mb}", f"data.seq_len={s}", *overrides), arch="moe"))
+    return cases
+
+
 def demo_grid(subset: bool = False) -> list[Case]:
     combos = DEMO_SUBSET if subset else [(r, mb, st, w) for r in DEMO_RECIPES for w in DEMO_WORLDS
                                          for st in DEMO_STRATEGIES for mb in DEMO_MICRO_BATCHES]
@@ -187,6 +213,8 @@ def _long_docs_file(workdir: Path) -> Path:
 
 
 def _model_file(case: Case, workdir: Path) -> Path:
+    if case.arch != "llama":
+        return workdir / f"model-{case.arch}.json"
     return workdir / ("model.json" if case.vocab is None else f"model-v{case.vocab}.json")
 
 
@@ -245,6 +273,8 @@ def measure(cases: list[Case], workdir: Path) -> list[int]:
     for c in cases:
         if c.vocab is not None:
             _model_file(c, workdir).write_text(json.dumps({**MODEL, "vocab_size": c.vocab}))
+        elif c.arch != "llama":
+            _model_file(c, workdir).write_text(json.dumps(ARCHS[c.arch]))
     by_world: dict[int, list[int]] = {}
     for i, c in enumerate(cases):
         by_world.setdefault(c.world, []).append(i)

@@ -159,9 +159,18 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     if 0 < s.mlp_chunk < bs:  # tiled_mlp.py: one chunk's MLP set at a time (its recompute, then its backward)
         mlp = mlp * s.mlp_chunk // bs
     extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
+    if d.moe:
+        extra += routing_bytes(stats, d, bs, c, lora_experts=s.lora)
     if stats.recipe.model.attn_implementation == "eager":
         extra += b * d.num_heads * n * n * (4 + c)  # softmax output (fp32) and its cast, saved for backward
     return norms + attn + mlp + extra
+
+
+def routing_bytes(stats: ModelStats, d, tokens: int, c: int, *, lora_experts: bool) -> int:
+    from shardtune.plan.moe import routing_bytes as moe_routing
+
+    experts = stats.expert_adapter_numel() // d.num_layers if lora_experts else 0
+    return moe_routing(d.moe, d.hidden, tokens, c, lora=lora_experts and experts > 0, adapter_numel=experts)
 
 
 def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
@@ -203,10 +212,16 @@ def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int) -> t
     when rows split blocks, the fp32 input-gradient accumulator (tokens x in x 4) with one row tile's product
     (tokens x in x c)."""
     from shardtune.engine.nf4_linear import cols_per_tile, rows_per_tile
+    from shardtune.plan.moe import nf4_experts_bytes
 
     buf, transient = 0, 0
     for u in units:
-        for _, (out_f, in_f) in u.quantized_weights:
+        for _, shape in u.quantized_weights:
+            if len(shape) == 3:  # fused experts (plan/moe.py)
+                run_buf, run_transient = nf4_experts_bytes(tuple(shape), c, tile)
+                buf, transient = max(buf, run_buf), max(transient, run_transient)
+                continue
+            out_f, in_f = shape
             rows = rows_per_tile(out_f, in_f, c, tile)
             cols = cols_per_tile(out_f, in_f, c, tile) if rows < out_f else 0
             buf = max(buf, rows * in_f * c, out_f * cols * c)
@@ -389,7 +404,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     root_cat, root_red = handoff(root)
     aliased_units = aliased and s.compute == DTYPES[stats.recipe.model.dtype] and not s.lora
     bsi = min(s.micro_batch * s.seq_len, s.mlp_chunk or s.micro_batch * s.seq_len) * d.intermediate * c
-    mlp_w_grad = d.hidden * d.intermediate * c if not s.lora else 0
+    mlp_w_grad = d.mlp_weight_numel * c if not s.lora else 0
     root_grad = 4 * root.trainable.shard_numel if root.trainable is not None and not s.offload else 0
     # The head's weight gradient, held from the loss to the root's reduction; vocab-parallel: the local rows' (fp32
     # in the segment's .grad, accumulated by autograd), part of the sharded grads from then on.

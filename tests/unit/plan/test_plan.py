@@ -21,6 +21,7 @@ MODELS = {  # published parameter counts
     "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800,
     "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "mistral-7b": 7_248_023_552,
     "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
+    "qwen3-30b-a3b": 30_532_122_624,  # 128 experts x 48 layers: 29.0 B of the 30.5 B
 }
 
 
