@@ -121,6 +121,9 @@ def register_simulated_backend() -> None:
     from shardtune.simulated.process_group import create_group
 
     dist.Backend.register_backend(SIM_BACKEND, create_group, extended_api=True, devices=["meta"])
+    from shardtune import sim_device_module
+
+    sim_device_module.register()  # torch.meta: the streams and events FSDP2 (engine.backend=torch) asks for
     _simulate_pinned_memory()
     _simulate_host_reads()
 
