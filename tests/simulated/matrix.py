@@ -95,7 +95,10 @@ def covering_array() -> tuple[list[Row], list[tuple[Row, str]]]:
 
 
 def known_failure(row: Row) -> str | None:
-    """Rows that fail today on a defect another branch of this issue fixes (the coordinator flips them)."""
+    """Rows that fail today on a defect not fixed yet (strict: the row fails the suite once it passes)."""
+    if row["backend"] == "torch" and row["tuning"] != "full" and not row["offload"]:
+        return ("open: engine.backend=torch with LoRA (seen with DPO, shard_grad_op, W=4, grad_accum=2): an adapter "
+                "has no AdamW state after the first step on the simulated GPU (KeyError 'exp_avg'); not investigated")
     return None
 
 
@@ -130,7 +133,7 @@ def step_save_resume(row: Row, out: Path) -> None:
     finally:
         tracker.stop()
     assert record["step"] == 1, record
-    assert record["comm_bytes"] > 0 or row["world"] == 1 or row["backend"] == "torch", record  # FSDP2 counts none
+    assert row["backend"] == "torch" or row["world"] == 1 or record["comm_bytes"] > 0, record  # FSDP2 counts none
     books = tracker.device  # blocks are rounded up and carved from segments; the step ends with a device sync
     assert books.peak_reserved >= books.peak_allocated >= tracker.peak_bytes() > 0, vars(books)
     assert books.held_back == 0, "a record_stream'd block outlived the step's closing sync"
