@@ -20,6 +20,7 @@ from shardtune.checkpoint.paths import explicit_resume_dir
 from shardtune.config.load import to_recipe, to_yaml
 from shardtune.config.schema import Recipe, check_world
 from shardtune.errors import UserError
+from shardtune.model_limits import check_model_limits
 from shardtune.worker_deaths import describe, first_failure, last_traceback, rank_log, read_report
 
 USER_ERROR_FILE = ".user_error"
@@ -115,6 +116,7 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trus
                   "outside them, or pass the overrides `shardtune plan RECIPE --fit` lists", file=sys.stderr)
         return run_worker(recipe)
     nproc = check_launch(recipe)
+    check_model_limits(recipe)
     header = ""
     if check or fit:
         from shardtune.preflight import preflight

@@ -44,12 +44,26 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     dtype = DTYPES[cfg.dtype]
     if cfg.init == "pretrained" and not any(Path(cfg.path).glob("*.safetensors")):  # type: ignore[arg-type]
         raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
-    model = build_empty(lambda: AutoModelForCausalLM.from_config(
-        hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation))
+    model = build_empty(lambda: from_config(cfg, hf_config, dtype=dtype))
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)
     return model.to(device)  # the buffers (parameters are there already)
+
+
+def from_config(cfg: ModelConfig, hf_config: PretrainedConfig, *, dtype: torch.dtype) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_config`. A config transformers cannot build from (an activation it does not know,
+    a missing dimension) fails in the model's constructor: that is the config's fault, one line naming the value."""
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError, NotImplementedError) as e:
+        key = "model.config" if cfg.config else "model.path"
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        named = [f"{k}={v!r}" for k, v in hf_config.to_dict().items()
+                 if isinstance(e, KeyError) and e.args and isinstance(v, str) and v == e.args[0]]
+        what = f"its {', '.join(named)} is unknown to transformers" if named else f"transformers failed ({detail})"
+        raise UserError(f"{key}: cannot build a {getattr(hf_config, 'model_type', '?')} model from "
+                        f"'{cfg.config or cfg.path}': {what}: fix that value in its config.json") from None
 
 
 def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

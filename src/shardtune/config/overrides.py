@@ -8,7 +8,8 @@ train, slurm).
   text itself, because a template is exactly what YAML cannot read unquoted (`{prompt}` is a mapping,
   `Q: {prompt}` a mapping, a Jinja `{% ... %}` a syntax error). The escapes `\\n`, `\\t` and `\\\\` are decoded, so
   `data.template="Q: {prompt}\\nA: "` in a shell is a two-line template. A value in quotes is a YAML string
-  (`'data.template="x"'`: x); `null` and `~` are null.
+  (`'data.template="x"'`: x); `null` and `~` are null; a YAML list stays a list (the key's check then says a list
+  is not a string, rather than taking `[a,b]` as a column's name).
 - Any other key whose VALUE YAML cannot read takes the text too; its type check then names the key.
 """
 from __future__ import annotations
@@ -49,15 +50,13 @@ def override_value(key: str, text: str) -> Any:
     """VALUE as the recipe gets it (the rule in the module docstring)."""
     if text.strip() in ("", "null", "~"):
         return None
-    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
-    if is_string_key(key) and not quoted:
-        return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], text)
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
-        return text
-    if is_string_key(key) and not isinstance(value, str):
-        return text
+        value = text
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    if is_string_key(key) and not quoted and not isinstance(value, list):
+        return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], text)
     return value
 
 

@@ -15,7 +15,12 @@ def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
     from shardtune.config.load import load_recipe
     from shardtune.model import build_tokenizer
 
+    from shardtune.model_limits import check_model_limits
+    from shardtune.validate import build_on_meta
+
     recipe = load_recipe(recipe_arg, overrides)
+    check_model_limits(recipe)  # as validate, plan and train: no cache built for a run that cannot start
+    build_on_meta(recipe.model)
     tok = build_tokenizer(recipe.model)
     t0 = time.perf_counter()
     if sys.stderr.isatty():  # a bar on a terminal; nothing in a batch log (one line per piece would be noise)
