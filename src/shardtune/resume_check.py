@@ -122,6 +122,33 @@ def check_resume(cfg: DictConfig, recipe: Recipe, world_size: int) -> DictConfig
     return cfg
 
 
+def check_rerun(cfg: DictConfig) -> None:
+    """Exit 2 when train.output_dir holds a run that trained (metrics.jsonl, final/) but left no checkpoint to
+    resume, and this recipe is of another model or other data: starting over would truncate its metrics.jsonl and
+    replace its final/ without a word. As for a checkpoint: train.resume=force goes ahead, and so does
+    train.resume=none (start over on purpose)."""
+    recipe = _to_recipe(cfg)
+    run_dir = Path(recipe.train.output_dir)
+    prev_file = run_dir / "recipe.yaml"
+    metrics = run_dir / "metrics.jsonl"
+    trained = (metrics.is_file() and metrics.stat().st_size > 0) or (run_dir / "final").is_dir()
+    if recipe.train.resume != "auto" or resume_checkpoint(recipe) is not None or not trained or not prev_file.is_file():
+        return
+    try:
+        prev = _to_recipe(OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(prev_file)))
+    except Exception:  # written by another version of the schema: not comparable, say so rather than guess
+        prev = None
+    world = 1  # the batch split is not compared: without a checkpoint nothing continues
+    old, new = (fingerprint(prev, world), fingerprint(recipe, world)) if prev is not None else ({}, {})
+    changed = _changes(tuple(k for k in INCOMPATIBLE + DATA if k != "global_batch"), old, new)
+    if prev is not None and not changed:
+        return
+    what = "; ".join(changed) or f"its {prev_file} is not readable by this version"
+    raise UserError(f"train.output_dir: '{run_dir}' holds a finished run of another model or other data ({what}) "
+                    "and no checkpoint: use a new train.output_dir, or set train.resume=none to start over there "
+                    "(its metrics.jsonl and final/ are replaced)")
+
+
 def _to_recipe(cfg: DictConfig) -> Recipe:
     from shardtune.config.load import to_recipe
 

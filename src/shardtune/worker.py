@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -16,6 +17,7 @@ from shardtune.voice import one_line_warnings
 
 def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     """Train; a user error is printed (one line), or written to `error_file` when the launcher will print it."""
+    from shardtune.signals import stop_message
     from shardtune.train import TrainingStopped, train
 
     one_line_warnings(rank=int(os.environ.get("RANK", "0")), others_to_log=error_file is not None)
@@ -25,7 +27,10 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning,
                             module=r"torch\.distributed\.checkpoint")
     try:
-        train(recipe)
+        try:
+            train(recipe)
+        except KeyboardInterrupt:  # Ctrl-C while setting up, before train() handles SIGINT itself
+            raise TrainingStopped(*stop_message(signal.SIGINT, 0, "none")) from None
     except TrainingStopped as e:  # preempted (checkpoint saved) or diverged: a message, a documented code
         import torch.distributed as dist
 
@@ -86,6 +91,9 @@ def main() -> None:
     parser.add_argument("recipe", help="the resolved recipe.yaml the launcher wrote")
     parser.add_argument("--error-file", type=Path, default=None, help="write a user error here instead of stderr")
     args = parser.parse_args()
+    # The agent ignores SIGINT (agent.py) and its workers inherit that: Ctrl-C must still stop a worker that is
+    # setting up (KeyboardInterrupt); train() then turns it into a stop at a step boundary.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.error_file is not None:  # started by our launcher, which reports deaths from the ranks' logs
         from shardtune.worker_deaths import rank_log
 
