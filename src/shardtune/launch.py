@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from shardtune.checkpoint.paths import explicit_resume_dir
 from shardtune.config.load import to_recipe, to_yaml
 from shardtune.config.schema import Recipe, check_world
+from shardtune.disk import write_text_atomic
 from shardtune.errors import UserError
 from shardtune.model_limits import check_model_limits
 from shardtune.run_lock import RunLock
@@ -162,9 +163,8 @@ def _start(cfg: DictConfig, recipe: Recipe, nproc: int, header: str) -> int:
     check_rerun(cfg)  # exit 2 for a finished run of other data, without a checkpoint
     recipe = to_recipe(cfg)
     run_dir = Path(recipe.train.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
-    recipe_file.write_text(header + to_yaml(cfg))  # resolved: every default and override, so a run is reproducible
+    write_text_atomic(recipe_file, header + to_yaml(cfg))  # resolved: every default and override: reproducible
     (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
     (run_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
     env = dict(os.environ)

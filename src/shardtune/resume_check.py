@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, newest_complete
 from shardtune.config.schema import Recipe
+from shardtune.disk import disk_full, no_space_line, write_text_atomic
 from shardtune.errors import UserError
 
 # Keys whose change makes the checkpoint unloadable (or loadable into a different model).
@@ -205,12 +206,15 @@ def _keep_recipe_history(cfg: DictConfig, ckpt: Path, forced: list[str]) -> None
     if not changed and not forced:
         return
     history = run_dir / "recipes"
-    history.mkdir(exist_ok=True)
+    try:
+        history.mkdir(exist_ok=True)
+    except OSError as e:
+        raise UserError(no_space_line(history) if disk_full(e) else f"cannot create {history}: {e.strerror}") from None
     keep = history / f"{ckpt.name}.yaml"
     n = 2
     while keep.exists():  # resumed at this step before: keep every version
         keep, n = history / f"{ckpt.name}.{n}.yaml", n + 1
-    keep.write_text(prev_file.read_text())
+    write_text_atomic(keep, prev_file.read_text())  # a full disk: one line, and no empty step_N.yaml left
     named = {c.split(" ")[0] for c in changed}
     what = "; ".join(changed + [f for f in forced if f.split(" ")[0] not in named])
     print(f"resume from {ckpt.name} with changes ({what}); the previous recipe is kept as {keep}", file=sys.stderr)

@@ -13,6 +13,7 @@ import socket
 import warnings
 from pathlib import Path
 
+from shardtune.disk import disk_full, no_space_line
 from shardtune.errors import UserError
 
 LOCK_FILE = ".lock"
@@ -43,8 +44,13 @@ class RunLock:
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(self.owner + "\n")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(self.owner + "\n")
+            except OSError as e:  # an empty lock would read as garbage to the next launch: leave none
+                self.path.unlink(missing_ok=True)
+                raise UserError(no_space_line(self.path) if disk_full(e) else f"cannot write {self.path}: "
+                                f"{e.strerror}") from None
             return self
         raise UserError(f"train.output_dir: '{self.path.parent}' is being locked by another launch at this moment: "
                         "use another train.output_dir")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe
+from shardtune.disk import disk_full, no_space_line
 from shardtune.errors import UserError
 from shardtune.voice import one_line_warnings
 
@@ -34,21 +35,33 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     except TrainingStopped as e:  # preempted (checkpoint saved) or diverged: a message, a documented code
         import torch.distributed as dist
 
-        if error_file is None:
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                print(f"shardtune: {e}", file=sys.stderr, flush=True)
-        else:  # the launcher prints it once and exits with this code (torchrun alone would say 1)
-            error_file.with_name(".exit_code").write_text(f"{e.code}\n{e}")
+        if error_file is not None:  # the launcher prints it once and exits with this code (torchrun would say 1)
+            _say(f"shardtune: {e}", error_file.with_name(".exit_code"), f"{e.code}\n{e}")
+        elif not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"shardtune: {e}", file=sys.stderr, flush=True)
         return e.code
-    except UserError as e:
-        if error_file is None:
-            print(f"error: {e}", file=sys.stderr)
-        else:
-            error_file.write_text(str(e))
+    except Exception as e:
+        if not isinstance(e, UserError) and not disk_full(e):
+            raise
+        if not isinstance(e, UserError):  # metrics, final/, the data cache: as the launcher says it
+            e = UserError(no_space_line(getattr(e, "filename", None) or recipe.train.output_dir))
+        _say(f"error: {e}", error_file, str(e))
         return 2
     finally:
         _release_process_groups()
     return 0
+
+
+def _say(line: str, file: Path | None, text: str) -> None:
+    """Hand `text` to the launcher in `file`; on the console when there is no launcher, or when the run directory
+    cannot take even that (a full disk): the launcher then relays this console line."""
+    if file is not None:
+        try:
+            file.write_text(text)
+            return
+        except OSError:
+            pass
+    print(line, file=sys.stderr, flush=True)
 
 
 def _release_process_groups() -> None:

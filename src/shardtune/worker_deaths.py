@@ -90,4 +90,6 @@ def describe(failures: list[dict], run_dir: Path, world_size: int) -> tuple[int,
                                       f"{log}{others}")
         return 1, (f"rank {rank} on {host} failed with an internal error: traceback in {log} (please report it)"
                    f"{others}")
+    if code == 2:  # a user error the worker could not hand over (a full disk): it printed it above
+        return 2, f"rank {rank} on {host} stopped on the error above{others}"
     return EXIT_WORKER_DIED, f"rank {rank} on {host} exited with code {code} without a message: see {log}{others}"

@@ -14,7 +14,6 @@ BAR_WIDTH = 40
 def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
     from shardtune.config.load import load_recipe
     from shardtune.model import build_tokenizer
-
     from shardtune.model_limits import check_model_limits
     from shardtune.validate import build_on_meta
 

@@ -43,7 +43,10 @@ def build_meta_model(cfg: ModelConfig) -> tuple[nn.Module, Dims]:
     raw = skeleton.read_config_json(cfg)
     if raw is not None and skeleton.supported(raw):
         return skeleton.build_skeleton(raw, DTYPES[cfg.dtype]), Dims.from_config(skeleton.config_namespace(raw))
-    from shardtune.model import from_config, load_config  # ~3 s of imports: only where skeleton.py cannot stand in
+    from shardtune.model import (  # ~3 s of imports: only where skeleton.py cannot stand in
+        from_config,
+        load_config,
+    )
 
     hf_config = load_config(cfg)
     with torch.device("meta"):
