@@ -138,6 +138,10 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trus
         return run_worker(recipe)
     nproc = check_launch(recipe)
     check_model_limits(recipe)
+    if recipe.launch.is_first_node():  # the nodes read the same files: one refusal, before any worker starts
+        from shardtune.data.check import check_data_head
+
+        check_data_head(recipe.data)
     header = ""
     if check or fit:
         from shardtune.preflight import preflight

@@ -3,23 +3,28 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardtune.data.build import truncated_counts
-from shardtune.data.pipeline import TokenizedData, build_data
+if TYPE_CHECKING:  # transformers and torch load only once the cheap checks have passed (a refusal takes ~0.3 s)
+    from shardtune.data.pipeline import TokenizedData
 
 BAR_WIDTH = 40
 
 
 def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
     from shardtune.config.load import load_recipe
-    from shardtune.model import build_tokenizer
+    from shardtune.data.check import check_data_head
     from shardtune.model_limits import check_model_limits
-    from shardtune.validate import build_on_meta
 
     recipe = load_recipe(recipe_arg, overrides)
-    check_model_limits(recipe)  # as validate, plan and train: no cache built for a run that cannot start
-    build_on_meta(recipe.model)
+    # What validate and train's launcher refuse, refused alike before anything heavy (torch, transformers) loads.
+    check_model_limits(recipe)
+    check_data_head(recipe.data)
+    from shardtune.data.pipeline import build_data
+    from shardtune.model import build_tokenizer
+    from shardtune.validate import build_on_meta
+
+    build_on_meta(recipe.model)  # no cache built for a model that cannot be built
     tok = build_tokenizer(recipe.model)
     t0 = time.perf_counter()
     if sys.stderr.isatty():  # a bar on a terminal; nothing in a batch log (one line per piece would be noise)
@@ -37,6 +42,8 @@ def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
 
 
 def format_report(data: TokenizedData, *, seconds: float) -> str:
+    from shardtune.data.build import truncated_counts
+
     if data.parts:  # a mix: each dataset's report, then the mix's shares
         total = sum(data.weights)
         reports = [f"dataset {i + 1} of {len(data.parts)} (weight {w:g}, {w / total:.1%} of training rows):\n"
