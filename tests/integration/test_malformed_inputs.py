@@ -1,5 +1,5 @@
 """A corpus of the mistakes people make with their own data and recipes, fed to `validate`, `prepare` and `train`
-through the installed executable: they must agree on what they accept, and each refusal is one line on stderr,
+through the installed executable (and `plan`, for the recipe's own values): they must agree on what they accept, and each refusal is one line on stderr,
 exit 2, never a traceback.
 
 Cost (~45 s of CPU): `prepare` and `train` run on every refused input alone (each refuses before torch loads, in
@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
 
+from shardtune.bundled import DATA_DIR
 from tests.integration.runs import cli
 
 ROWS = [{"prompt": f"caf\u00e9 {i}", "response": f"r{i}"} for i in range(40)]
@@ -37,11 +39,13 @@ REFUSED_FILES = {
                                    for _ in ROWS).encode(),
     "bom_latin1.csv": BOM + "prompt,response\ns\u00e4y,r\n".encode("latin-1"),  # a BOM, then not UTF-8
 }
-# Recipe values of the wrong type or out of range (the data is good).
+# Recipe values of the wrong type or out of range, and a model config transformers cannot build (the data is good):
+# `plan` judges these too.
 REFUSED_OVERRIDES = {
     "max_steps_word": ["train.max_steps=ten"],
     "format_unknown": ["data.format=json"],
     "seq_len_over_positions": ["data.seq_len=100000"],
+    "unknown_activation": ["model.config=bad_act.json"],
 }
 # Accepted files, as entries of one mix: {path, format}.
 ACCEPTED = {
@@ -78,6 +82,8 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("malformed")
     for name, data in {**REFUSED_FILES, **{n: d for n, (d, _) in ACCEPTED.items()}}.items():
         (tmp / name).write_bytes(data)
+    config = json.loads((DATA_DIR / "configs" / "models" / "tiny-llama.json").read_text())
+    (tmp / "bad_act.json").write_text(json.dumps({**config, "hidden_act": "nonsense"}))
     return tmp, _recipe(tmp)
 
 
@@ -91,7 +97,8 @@ def test_every_malformed_input_is_refused_alike_in_one_line(corpus):
     cases |= {name: [f"data.path={tmp / 'bom.jsonl'}", *o] for name, o in REFUSED_OVERRIDES.items()}
     jobs = [(name, cmd, [cmd, str(recipe), *overrides, f"train.output_dir={tmp / ('run_' + name)}"])
             for name, overrides in cases.items() for cmd in ("prepare", "train")]
-    jobs += [(name, "validate", ["validate", str(recipe), *o]) for name, o in cases.items() if name not in REFUSED_FILES]
+    jobs += [(name, cmd, [cmd, str(recipe), *o]) for name, o in cases.items() if name not in REFUSED_FILES
+             for cmd in ("validate", "plan")]
     jobs += [("every refused file", "validate", ["validate", str(recipe), _mix(tmp, dict.fromkeys(REFUSED_FILES,
                                                                                                 "instruction"))])]
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -108,11 +115,20 @@ def test_every_malformed_input_is_refused_alike_in_one_line(corpus):
     assert sorted(n for ns in named for n in ns) == sorted(REFUSED_FILES), lines
 
 
+# The README's override examples, as a shell passes them (a backslash and an n): YAML cannot read them unquoted.
+TEMPLATE = "Q: {prompt}\\nA: "
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\\n{% endfor %}"
+
+
 def test_the_accepted_inputs_are_accepted_by_all_three(corpus):
     tmp, recipe = corpus
     mix = _mix(tmp, {n: fmt for n, (_, fmt) in ACCEPTED.items()})
     for cmd in ("validate", "prepare", "train"):
-        proc = cli(cmd, str(recipe), mix, cwd=tmp)
+        proc = cli(cmd, str(recipe), mix, f"data.template={TEMPLATE}", f"model.chat_template={CHAT_TEMPLATE}",
+                   cwd=tmp)
         assert proc.returncode == 0, f"{cmd}:\n{proc.stderr[-3000:]}"
     first_rows = (tmp / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(first_rows) == 1 and json.loads(first_rows[0])["step"] == 1
+    trained = yaml.safe_load((tmp / "run" / "recipe.yaml").read_text())
+    assert trained["data"]["template"] == "Q: {prompt}\nA: "  # a two-line template, as the README means
+    assert trained["model"]["chat_template"] == "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
