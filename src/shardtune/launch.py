@@ -167,6 +167,7 @@ def _start(cfg: DictConfig, recipe: Recipe, nproc: int, header: str) -> int:
     check_rerun(cfg)  # exit 2 for a finished run of other data, without a checkpoint
     recipe = to_recipe(cfg)
     run_dir = Path(recipe.train.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
     write_text_atomic(recipe_file, header + to_yaml(cfg))  # resolved: every default and override: reproducible
     (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
