@@ -85,7 +85,7 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     last = metrics(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{last}" / "trainer.json").exists()
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{last}"
-    assert "stopped by signal" in err
+    assert "stopped by signal SIGTERM after step" in err  # the signal by name
 
 
 @pytest.mark.parametrize("nproc,micro", [(1, 8), (4, 4)], ids=["2to1", "2to4"])
