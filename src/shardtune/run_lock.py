@@ -3,8 +3,9 @@
 Two launches into one directory would interleave metrics.jsonl and overwrite each other's checkpoints and final/.
 The second is refused (exit 2) while the owner lives. A lock whose owner is gone (same host, no such pid: a
 SIGKILL, a crashed node) is stale: taken over with a warning. A lock from another host cannot be checked from
-here: refused, naming the file to delete if that run is over. Multi-node jobs: only the first node's launcher
-takes it (the nodes of one job share the directory).
+here: refused, naming the file to delete if that run is over, unless it names this SLURM job: a requeued job
+(same job id, perhaps another node) after its previous attempt was killed. Multi-node jobs: only the first node's
+launcher takes it (the nodes of one job share the directory).
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ class RunLock:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_FILE
-        self.owner = f"{socket.gethostname()} {os.getpid()}"
+        job = os.environ.get("SLURM_JOB_ID")
+        self.job = f"slurm-job-{job}" if job else None
+        self.owner = " ".join(filter(None, [socket.gethostname(), str(os.getpid()), self.job]))
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,11 +60,12 @@ class RunLock:
 
     def _take_over_if_stale(self) -> None:
         try:
-            host, pid = self.path.read_text().split()
+            host, pid, *job = self.path.read_text().split()
             owner_pid = int(pid)
         except (OSError, ValueError):  # being written, or garbage: a live writer takes microseconds
-            host, owner_pid = "?", -1
-        if host == socket.gethostname() and owner_pid > 0 and not _alive(owner_pid):
+            host, owner_pid, job = "?", -1, []
+        requeued = self.job is not None and job == [self.job]
+        if requeued or host == socket.gethostname() and owner_pid > 0 and not _alive(owner_pid):
             warnings.warn(f"{self.path}: its run (pid {owner_pid}) is gone; taking the run directory over",
                           stacklevel=3)
             self.path.unlink(missing_ok=True)
