@@ -64,7 +64,9 @@ def read_sample(file: Path, limit: int = SAMPLE_ROWS) -> Sample:
         return _parquet(file, limit)
     with open(file, "rb") as f:
         head = f.read(SAMPLE_BYTES)
-        while b"\n" not in head and (more := f.read(SAMPLE_BYTES)):  # one line longer than the sample: it is a row
+        # jsonl: a first line longer than the sample is one row, read whole. (A .json array written on one line is
+        # parsed object by object from the sample instead: it may be the whole file.)
+        while file.suffix == ".jsonl" and b"\n" not in head and (more := f.read(SAMPLE_BYTES)):
             head += more
         at_end = not f.read(1)
     skipped = len(BOM) if head.startswith(BOM) else 0  # what Notepad and Excel put first: every reader skips it
