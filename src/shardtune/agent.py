@@ -49,9 +49,8 @@ def main(argv: list[str]) -> int:
     # (signals.py); the agent waits for them instead of shutting them down (torch's default handles SIGINT so).
     # The launcher sends SIGINT to the workers itself when only it was interrupted (launch.py).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"
     try:
-        run(parse_args(args))
+        run(parse_args(["--signals-to-handle=SIGTERM,SIGHUP,SIGQUIT", *args]))  # torch's default adds SIGINT
     except ChildFailedError as e:
         host = socket.gethostname()
         codes = {f.exitcode for f in e.failures.values()}

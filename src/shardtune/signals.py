@@ -5,9 +5,10 @@ boundary (one all-reduce), because a signal may reach only some of them."""
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # torch-free at import: a worker interrupted while importing torch still says so (worker.py)
+    import torch
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped on request, checkpoint saved: run the same command to resume"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -34,6 +35,9 @@ class StopRequest:
 
     def agreed(self, device: torch.device) -> bool:
         """Collective: True when any rank received a stop signal."""
+        import torch
+        import torch.distributed as dist
+
         t = torch.tensor([1 if self.signum is not None else 0], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         from shardtune import accelerator

@@ -18,9 +18,13 @@ from shardtune.voice import one_line_warnings
 
 def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     """Train; a user error is printed (one line), or written to `error_file` when the launcher will print it."""
-    from shardtune.signals import stop_message
-    from shardtune.train import TrainingStopped, train
-
+    try:
+        from shardtune.train import (  # torch, transformers: seconds in which Ctrl-C may come
+            TrainingStopped,
+            train,
+        )
+    except KeyboardInterrupt:
+        return _interrupted_in_setup(error_file)
     one_line_warnings(rank=int(os.environ.get("RANK", "0")), others_to_log=error_file is not None)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     # DCP's own planner warns about its internal ShardedTensor path on every load (4 lines per resume): nothing a
@@ -28,10 +32,9 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning,
                             module=r"torch\.distributed\.checkpoint")
     try:
-        try:
-            train(recipe)
-        except KeyboardInterrupt:  # Ctrl-C while setting up, before train() handles SIGINT itself
-            raise TrainingStopped(*stop_message(signal.SIGINT, 0, "none")) from None
+        train(recipe)
+    except KeyboardInterrupt:  # Ctrl-C while setting up, before train() handles SIGINT itself
+        return _interrupted_in_setup(error_file)
     except TrainingStopped as e:  # preempted (checkpoint saved) or diverged: a message, a documented code
         import torch.distributed as dist
 
@@ -50,6 +53,16 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     finally:
         _release_process_groups()
     return 0
+
+
+def _interrupted_in_setup(error_file: Path | None) -> int:
+    from shardtune.signals import stop_message
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's forwarded copy must not interrupt this
+    message, code = stop_message(signal.SIGINT, 0, "none")
+    if error_file is not None or int(os.environ.get("RANK", "0")) == 0:
+        _say(f"shardtune: {message}", error_file and error_file.with_name(".exit_code"), f"{code}\n{message}")
+    return code
 
 
 def _say(line: str, file: Path | None, text: str) -> None:
@@ -112,10 +125,12 @@ def main() -> None:
 
         _stderr_to_log(rank_log(args.error_file.parent, int(os.environ.get("RANK", "0"))))
     try:
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe)  # imports torch: seconds in which Ctrl-C may come
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(_interrupted_in_setup(args.error_file))
     sys.exit(run_worker(recipe, args.error_file))
 
 
