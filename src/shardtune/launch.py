@@ -137,6 +137,11 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trus
                   "outside them, or pass the overrides `shardtune plan RECIPE --fit` lists", file=sys.stderr)
         return run_worker(recipe)
     nproc = check_launch(recipe)
+    from shardtune.trackers import tracker_problems
+
+    missing = tracker_problems(recipe.train.report_to)
+    if missing:  # before any worker starts
+        raise UserError(missing[0])
     check_model_limits(recipe)
     if recipe.launch.is_first_node():  # the nodes read the same files: one refusal, before any worker starts
         from shardtune.data.check import check_data_head

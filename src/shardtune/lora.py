@@ -39,6 +39,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, base_name: str | None = Non
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, config)
     assert peft_model.base_model.model is model  # injection is in place: the trainer keeps calling `model`
+    # peft fills in the model's name_or_path, which for a model built from a config file is that config.json: the
+    # adapter would name an architecture file as its base. The base is what the caller says (None: on no disk).
+    lora_config(model).base_model_name_or_path = base_name
     return model
 
 

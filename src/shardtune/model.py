@@ -13,10 +13,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from shardtune.attention import attn_implementation
 from shardtune.config.schema import ModelConfig
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.templates import resolve_chat_template
 from shardtune.errors import UserError
+from shardtune.hub import CONFIG, TOKENIZER, is_hub_id, model_dir
 from shardtune.loading import build_empty
 from shardtune.seeded_init import init_full
 
@@ -24,7 +26,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load_config(cfg: ModelConfig) -> PretrainedConfig:
-    source = cfg.config or cfg.path
+    source = cfg.config or (model_dir(cfg.path) if cfg.path else None)
     assert source is not None, "schema guarantees config or path"
     try:
         return AutoConfig.from_pretrained(source, local_files_only=True)
@@ -42,20 +44,25 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     or shard by shard at any world size."""
     hf_config = load_config(cfg)
     dtype = DTYPES[cfg.dtype]
-    if cfg.init == "pretrained" and not any(Path(cfg.path).glob("*.safetensors")):  # type: ignore[arg-type]
+    # a hub id's weights are fetched by the trainer (hub.fetch_for_ranks), not by plan or validate
+    if cfg.init == "pretrained" and not is_hub_id(cfg.path) and not any(Path(cfg.path).glob("*.safetensors")):
         raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
-    model = build_empty(lambda: from_config(cfg, hf_config, dtype=dtype))
+    model = build_empty(lambda: from_config(cfg, hf_config, dtype=dtype,
+                                            attn=attn_implementation(cfg.attn_implementation)))
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)
     return model.to(device)  # the buffers (parameters are there already)
 
 
-def from_config(cfg: ModelConfig, hf_config: PretrainedConfig, *, dtype: torch.dtype) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_config`. A config transformers cannot build from (an activation it does not know,
-    a missing dimension) fails in the model's constructor: that is the config's fault, one line naming the value."""
+def from_config(cfg: ModelConfig, hf_config: PretrainedConfig, *, dtype: torch.dtype,
+                attn: str | None = None) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_config` (`attn`: the attention implementation, default model.attn_implementation).
+    A config transformers cannot build from (an activation it does not know, a missing dimension) fails in the
+    model's constructor: that is the config's fault, one line naming the value."""
     try:
-        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
+                                                attn_implementation=attn or cfg.attn_implementation)
     except (KeyError, ValueError, TypeError, AttributeError, IndexError, NotImplementedError) as e:
         key = "model.config" if cfg.config else "model.path"
         detail = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -73,7 +80,7 @@ def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def _load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    source = cfg.tokenizer or cfg.path
+    source = cfg.tokenizer or (model_dir(cfg.path, CONFIG + TOKENIZER) if cfg.path else None)
     if source is None or source == "builtin:char":
         return build_char_tokenizer()
     try:

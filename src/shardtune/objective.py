@@ -55,7 +55,7 @@ class SftObjective:
 
     def micro_loss(self, model: nn.Module, mb: MicroBatch, norm: int) -> tuple[torch.Tensor, torch.Tensor]:
         loss = token_loss_sum(model, mb.input_ids, mb.labels, mb.position_ids,
-                              chunk_tokens=self.recipe.train.loss_chunk_tokens) / norm
+                              chunk_tokens=self.recipe.train.loss_chunk_tokens, doc_lengths=mb.doc_lengths) / norm
         return loss, loss.new_zeros(0)
 
     def metrics(self, sums: list[float], norm: int) -> dict[str, float]:

@@ -11,9 +11,10 @@ def recipe_problems(recipe: Recipe) -> list[str]:
     from shardtune.data.check import data_problems
     from shardtune.model import build_tokenizer
     from shardtune.model_limits import seq_len_problem
+    from shardtune.trackers import tracker_problems
 
-    problems = []
     t = recipe.train
+    problems = tracker_problems(t.report_to)
     if t.max_steps is not None and t.warmup_steps >= t.max_steps:
         problems.append(f"train.warmup_steps={t.warmup_steps} >= train.max_steps={t.max_steps}: the learning rate "
                         "would never leave warmup; lower train.warmup_steps")

@@ -58,6 +58,7 @@ RECIPE_ERRORS: list[tuple[list[str], str]] = [
     (["slurm", "no-such-recipe", "--nodes", "1"], "no-such-recipe"),
     (["train", "tiny-cpu", "engine.strategy=everything"], "engine.strategy"),
     (["prepare", "tiny-cpu", "data.path=no-such-file.jsonl"], "no-such-file.jsonl"),
+    (["validate", "tiny-cpu", "engine.offload_activations=true"], "engine.offload_activations"),  # needs checkpointing
 ]
 
 COMMANDS = ["train", "validate", "plan", "slurm", "export", "recipes", "prepare"]

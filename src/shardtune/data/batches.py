@@ -8,12 +8,13 @@ it locally: all ranks index the same rows), which makes the summed gradient equa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from shardtune.attention import DocLengths, doc_lengths
 from shardtune.data.formats import IGNORE
 
 
@@ -30,9 +31,12 @@ class MicroBatch:
     input_ids: torch.Tensor  # [b, seq_len] int64
     labels: torch.Tensor  # [b, seq_len] int64
     position_ids: torch.Tensor  # [b, seq_len] int64
+    # each row's document lengths, read from the host position ids (attention.py: no device sync to find them)
+    doc_lengths: DocLengths | None = field(default=None, kw_only=True)
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device))
+        return replace(self, input_ids=self.input_ids.to(device), labels=self.labels.to(device),
+                       position_ids=self.position_ids.to(device))
 
 
 def num_targets(labels: torch.Tensor | np.ndarray) -> int:
@@ -80,5 +84,6 @@ class GlobalBatches:
         micro = []
         for a in range(self.accum):
             sel = slice((a * self.world + rank) * self.b, (a * self.world + rank + 1) * self.b)
-            micro.append(MicroBatch(*(torch.from_numpy(np.ascontiguousarray(x[sel])) for x in (ids, labels, pos))))
+            micro.append(MicroBatch(*(torch.from_numpy(np.ascontiguousarray(x[sel])) for x in (ids, labels, pos)),
+                                    doc_lengths=doc_lengths(pos[sel])))
         return micro, total

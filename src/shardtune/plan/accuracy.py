@@ -34,6 +34,7 @@ class Case:
     recipe: str = "tiny-cpu"
     own_model: bool = True  # False: the recipe's own model (the demo recipes as users run them)
     vocab: int | None = None  # the own model with this vocabulary instead of MODEL's
+    long_docs: bool = False  # data: LONG_DOCS text documents of LONG_DOC_CHARS characters (char tokenizer)
 
 
 GRID = [  # world, strategy, precision, micro-batch, seq_len, extra overrides (a label for the name)
@@ -163,12 +164,35 @@ def vocab_grid(subset: bool = False) -> list[Case]:
     return cases
 
 
+# Long context (seq 8,192): packed rows of a few long documents (~3 per row), the tiny-llama demo model and its
+# character tokenizer; checkpointing, activation offloading (host buffers counted apart by the tracker), the
+# chunked MLP, LoRA, bf16 and 2 ranks.
+LONG_DOCS, LONG_DOC_CHARS = 12, 2900
+LONG = ("data.seq_len=8192", "train.micro_batch_size=1", "train.max_steps=1", "data.format=text")
+CK, OFF = "engine.activation_checkpointing=true", "engine.offload_activations=true"
+LONG_GRID = [  # name, world, extra overrides
+    ("w1 fp32 s8192", 1, ()), ("w1 fp32 s8192 ckpt", 1, (CK,)), ("w1 fp32 s8192 ckpt offload", 1, (CK, OFF)),
+    ("w2 fp32 s8192", 2, ()),
+    ("w2 fp32 s8192 ckpt offload", 2, (CK, OFF)),
+    ("w2 bf16 s8192 lora ckpt offload", 2, ("engine.mixed_precision=bf16", "lora.enabled=true", CK, OFF)),
+]
+
+
+def long_context_grid() -> list[Case]:
+    return [Case(name, world, (*LONG, *extra), own_model=False, long_docs=True) for name, world, extra in LONG_GRID]
+
+
+def _long_docs_file(workdir: Path) -> Path:
+    return workdir / "long_docs.jsonl"
+
+
 def _model_file(case: Case, workdir: Path) -> Path:
     return workdir / ("model.json" if case.vocab is None else f"model-v{case.vocab}.json")
 
 
 def recipe_overrides(case: Case, workdir: Path, index: int) -> list[str]:
     model = [f"model.config={_model_file(case, workdir)}"] if case.own_model else []
+    model += [f"data.path={_long_docs_file(workdir)}"] if case.long_docs else []
     return [*model, *BASE, f"launch.nproc_per_node={case.world}", f"train.output_dir={workdir / f'run{index}'}",
             *case.overrides]
 
@@ -214,6 +238,10 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
 def measure(cases: list[Case], workdir: Path) -> list[int]:
     """Max over steps of peak_mem_bytes for each case; one spawn per world size."""
     (workdir / "model.json").write_text(json.dumps(MODEL))
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    _long_docs_file(workdir).write_text("".join(
+        json.dumps({"text": "".join(letters[(i * 7 + j * j) % 27] for j in range(LONG_DOC_CHARS))}) + "\n"
+        for i in range(LONG_DOCS)))
     for c in cases:
         if c.vocab is not None:
             _model_file(c, workdir).write_text(json.dumps({**MODEL, "vocab_size": c.vocab}))

@@ -32,12 +32,13 @@ def test_model_configs_build_on_meta_with_published_param_counts(name: str) -> N
 
 
 def test_layout_matches_engine_units_and_padding() -> None:
-    """The layout plan uses is the engine's: units from find_units, trainable [decay | no-decay] then padding."""
+    """The layout plan uses is the engine's: units from find_units, trainable [decay | no-decay] then padding. With
+    the tables in the root's buffer (engine.vocab_parallel=false: this test counts every parameter in a unit)."""
     stats = ModelStats(load_recipe("tiny-cpu", []))
     model = stats.model
     classes = resolve_unit_classes(model, "auto")
     for w in (1, 3, 4):
-        layouts = unit_layouts(model, ShardingPolicy(unit_classes=classes), w)
+        layouts = unit_layouts(model, ShardingPolicy(unit_classes=classes, vocab_parallel=False), w)
         units = find_units(model, classes)
         assert len(layouts) == len(units) + 1 and layouts[-1].is_root
         for lay, u in zip(layouts, units, strict=False):
