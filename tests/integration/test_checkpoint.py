@@ -222,17 +222,21 @@ def test_resume_of_a_bad_path_is_a_user_error(tmp_path):
     assert proc.returncode == 2 and "train.resume" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("when", ["training", "setup"])
+@pytest.mark.parametrize("when", ["training", "setup", "launcher"])
 def test_ctrl_c_checkpoints_and_exits_130(tmp_path, when):
     """Ctrl-C on a terminal: SIGINT to every process of the group (launcher, agent, workers) at once, after a step
-    or while the workers are still importing torch and building the model."""
+    or while the workers are still importing torch and building the model; or (`launcher`) SIGINT to the launcher
+    alone, as `kill -INT` does, which it passes on to the workers itself."""
     run_dir = tmp_path / "run"
     proc = start(*train_args(run_dir, "train.save_every=1000", "train.max_steps=500"), cwd=tmp_path)
-    if when == "training":
-        wait_for(lambda: len(metrics(run_dir)) >= 1, what="a step")
-    else:
+    if when == "setup":
         wait_for(lambda: (run_dir / "logs").is_dir(), what="the workers' start")
-    os.killpg(proc.pid, signal.SIGINT)  # start() made the launcher its group's leader
+    else:
+        wait_for(lambda: len(metrics(run_dir)) >= 1, what="a step")
+    if when == "launcher":
+        os.kill(proc.pid, signal.SIGINT)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # start() made the launcher its group's leader
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
