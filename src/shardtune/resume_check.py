@@ -30,7 +30,7 @@ from shardtune.hub import model_dir
 INCOMPATIBLE = ("model.architecture", "model.path", "model.init", "model.dtype", "model.tokenizer", "lora.enabled",
                 "lora.r", "lora.target_modules", "lora.quantize_base")
 # Keys whose change means other rows or another loss from here on.
-DATA = ("data.path", "data.format", "data.fields", "data.seq_len", "data.packing", "data.num_samples",
+DATA = ("data.path", "data.format", "data.fields", "data.seq_len", "data.packing", "data.long_docs", "data.num_samples",
         "data.eval_fraction", "model.chat_template", "train.seed", "lora.alpha", "global_batch", "train.objective",
         "dpo.beta", "dpo.loss", "dpo.label_smoothing", "dpo.sft_warmup_steps", "dpo.precompute_reference")
 # Not compared with the previous recipe: where and how this launch runs, and the resume choice itself.
@@ -78,7 +78,7 @@ def fingerprint(recipe: Recipe, world_size: int) -> dict[str, Any]:
             "lora.target_modules": list(lora.target_modules) if lora.enabled else None,
             "lora.quantize_base": lora.quantize_base, "lora.alpha": lora.alpha if lora.enabled else None,
             "data.path": d.path, "data.format": d.format, "data.fields": fields, "data.seq_len": d.seq_len,
-            "data.packing": d.packing, "data.num_samples": d.num_samples if "builtin:" in str(d.path)
+            "data.packing": d.packing, "data.long_docs": d.long_docs, "data.num_samples": d.num_samples if "builtin:" in str(d.path)
             else None, "data.eval_fraction": d.eval_fraction,
             "model.chat_template": m.chat_template, "train.seed": t.seed, "train.objective": t.objective,
             **_objective(recipe),
