@@ -34,6 +34,7 @@ ON_HOST_GROUP = {
     ("checkpoint/manager.py", "_agree_ok"): "accelerator.host_group()",
     ("checkpoint/manager.py", "_barrier"): "accelerator.host_group()",
     ("data/ranks.py", "prepare_for_ranks"): "dist.new_group(backend='gloo')",
+    ("hub.py", "fetch_for_ranks"): "dist.new_group(backend='gloo'): rank 0's download message",
     ("engine/vocab.py", "max_tokens"): "accelerator.host_group(): a token count, host metadata",
 }
 
