@@ -38,6 +38,7 @@ from torch.distributed import ProcessGroup
 from shardtune import accelerator
 from shardtune.data.formats import IGNORE
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_all_into, reduce_scatter_into
+from shardtune.loss import add_outer_fp32
 
 
 class VocabTable:
@@ -159,9 +160,11 @@ class _Embed(torch.autograd.Function):
         table = ctx.table
         local, mine = ctx.saved_tensors
         grad_all = table.gather(grad.contiguous(), ctx.n_max)
-        gw = grad.new_zeros((table.num_local, table.hidden))
+        # Accumulated in fp32, as nn.Embedding's CUDA backward does: a frequent token's row sums thousands of
+        # vectors, which a bf16 sum rounds away. Autograd casts the result to the weight's dtype once.
+        gw = grad.new_zeros((table.num_local, table.hidden), dtype=torch.float32)
         if table.num_local:  # no boolean indexing: no device sync, and the simulated GPU (meta) runs it
-            gw.index_add_(0, local, grad_all.masked_fill_(~mine[:, None], 0))
+            gw.index_add_(0, local, grad_all.masked_fill_(~mine[:, None], 0).float())
         p = table.padding_idx
         if p is not None and 0 <= p - table.lo < table.num_local:
             gw[p - table.lo] = 0  # nn.Embedding(padding_idx=p): that row never trains
@@ -220,7 +223,7 @@ class _CrossEntropy(torch.autograd.Function):
         mine_lo, mine_hi = table.rank * n_max, table.rank * n_max + n  # this rank's tokens among the gathered
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h_all = torch.empty_like(h_all) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # summed in fp32 (loss.py)
         k = table.num_local
         chunk = chunk_tokens if chunk_tokens > 0 else max(1, h_all.shape[0])
         for start in range(0, h_all.shape[0], chunk):
@@ -253,7 +256,7 @@ class _CrossEntropy(torch.autograd.Function):
             if want_h:
                 torch.mm(g, weight, out=grad_h_all[start:stop])
             if want_w:
-                grad_w.addmm_(g.t(), h)
+                add_outer_fp32(grad_w, g, h)
             del logits, g
         grad_h = table.scatter_sum(grad_h_all)[:n] if want_h else None  # my tokens' gradient, summed over rows
         ctx.table = table

@@ -204,7 +204,7 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
     backward log_softmax's output, its gradient and the gradient of its input (3 fp32 b·(s-1)·V).
     Chunked (loss.py): one chunk's logits in fp32 (C·V·4; in bf16 also the bf16 logits, then the bf16 gradient:
     C·V·2) while the gradients are formed in forward: grad_h (b·s·H, compute dtype) and, when the head trains,
-    grad_W (V·H). Both stay until the backward takes them (scaled in place).
+    grad_W (V·H, fp32: summed over the chunks in fp32). Both stay until the backward takes them (scaled in place).
     Vocab-parallel (`vocab_rows` R = ceil(V/W) local rows, engine/vocab.py): the chunks run over the W·b·s gathered
     tokens against R rows; the gathered hidden states and their gradient (2·W·b·s·H) live during the loop, the
     rank's own grad_h (b·s·H) and the local rows' gradient (R·H) after it. Without chunking: the local logits of all
@@ -219,13 +219,13 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
             return full_fwd, max(full_bwd, 4 * tokens * V * c)
         G = W * tokens
         C = min(s.loss_chunk, G)
-        grads = tokens * d.hidden * c + (vocab_rows * d.hidden * c if head_trains else 0)
+        grads = tokens * d.hidden * c + (vocab_rows * d.hidden * 4 if head_trains else 0)
         return C * vocab_rows * 4 + (C * vocab_rows * c if c != 4 else 0) + 2 * G * d.hidden * c + G * 8 + grads, grads
     if not s.loss_chunk:
         rows = s.micro_batch * (s.seq_len - 1)
         return tokens * V * c + 2 * rows * V * 4, 3 * rows * V * 4
     C = min(s.loss_chunk, tokens)
-    grads = tokens * d.hidden * c + (V * d.hidden * c if head_trains else 0)
+    grads = tokens * d.hidden * c + (V * d.hidden * 4 if head_trains else 0)
     return C * V * 4 + (C * V * c if c != 4 else 0) + grads, grads
 
 
