@@ -170,10 +170,6 @@ class PairMicroBatch(MicroBatch):
 
     pair_ids: np.ndarray  # [b] int64, indices of the pairs in their split (reference log-prob lookup)
 
-    def to(self, device: torch.device) -> PairMicroBatch:
-        return PairMicroBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
-                              self.pair_ids)
-
 
 class PairRows:
     """A split's rows seen as pairs: take(pairs) -> the chosen rows, then the rejected rows."""

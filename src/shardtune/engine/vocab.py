@@ -40,6 +40,8 @@ from shardtune.data.formats import IGNORE
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_all_into, reduce_scatter_into
 from shardtune.loss import add_outer_fp32
 
+_UNIFORM_TOKENS: dict[Any, int | None] = {}  # shard group -> its last embedding call's count, when every rank had it
+
 
 class VocabTable:
     """One vocabulary table's local rows (a FlatParam built with whole rows per rank) and its collectives."""
@@ -77,13 +79,21 @@ class VocabTable:
         return dev.view(self.num_local, self.hidden).to(flat.compute_dtype)
 
     # -- token exchange -----------------------------------------------------------------------------------------------
-    def max_tokens(self, n: int) -> int:
-        """The largest token count of this call over all ranks (host metadata, agreed on the gloo host group)."""
+    def max_tokens(self, n: int, *, first: bool = False) -> int:
+        """The largest token count of this call over all ranks (host metadata, agreed on the gloo host group).
+        One round trip per forward: the embedding's call (`first`) also learns whether every rank has the same
+        count; then a later use with that same count (the head over the same tokens, on every rank alike) needs no
+        agreement."""
         if accelerator.is_simulated(self.device):
             return n  # the simulated GPU reads no values: every rank has the same shapes there
-        t = torch.tensor([n], dtype=torch.int64)
+        if not first and n == _UNIFORM_TOKENS.get(self.group):
+            return n
+        t = torch.tensor([n, -n], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=accelerator.host_group())
-        return int(t.item())
+        largest, smallest = int(t[0]), -int(t[1])
+        if first:  # shared by the group's tables: the head of an untied model is a table of its own
+            _UNIFORM_TOKENS[self.group] = n if largest == smallest else None
+        return largest
 
     def gather(self, x: torch.Tensor, n_max: int, fill: float | int = 0) -> torch.Tensor:
         """(n, ...) on each rank -> (W·n_max, ...): every rank's rows, each padded with `fill` to n_max."""
@@ -138,7 +148,7 @@ class _Embed(torch.autograd.Function):
     def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, table: VocabTable) -> torch.Tensor:
         flat_ids = ids.reshape(-1)
         n = flat_ids.numel()
-        n_max = table.max_tokens(n)
+        n_max = table.max_tokens(n, first=True)
         ids_all = table.gather(flat_ids, n_max, fill=-1)
         local = ids_all - table.lo
         mine = (local >= 0) & (local < table.num_local)
@@ -271,12 +281,12 @@ class _CrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         if grad_w is not None:
             # The local rows' gradient sums every rank's tokens, each rank's loss scaled by its own grad_out: the
-            # trainer's scale (1 / the global batch's target count) is the same on every rank. Checked, one scalar.
+            # trainer's scale (1 / the global batch's target count) is the same on every rank. Checked on the
+            # device (an asynchronous assert: no host read; a failure surfaces at the next sync).
             table = ctx.table
             scales = table.gather(grad_out.reshape(1).float(), 1)
-            if not accelerator.is_simulated(table.device) and not bool((scales == scales[0]).all()):  # meta: no values
-                raise RuntimeError("vocab-parallel loss: ranks backpropagated different scales into one loss; "
-                                   "scale every rank's loss alike (or set engine.vocab_parallel=false)")
+            torch._assert_async((scales == scales[0]).all(), "vocab-parallel loss: ranks backpropagated different "
+                                "scales into one loss; scale every rank's loss alike (or engine.vocab_parallel=false)")
         return (*scale_saved_grads(grad_h, grad_w, grad_out, ctx.hidden_dtype), None, None, None)
 
 
