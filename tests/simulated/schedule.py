@@ -41,7 +41,8 @@ def offload_copies_on_copy_stream() -> None:
     assert {e[1] for e in copies} == {"h2d"} and {e[1] for e in gathers} == {"h2d"}, (copies, gathers)
     assert not [e for e in trace if e[0] == "wait_stream" and e[1] == "compute"], "compute waited on a stream"
     recorded = {e[2]: i for i, e in enumerate(trace) if e[0] == "record" and e[1] == "h2d"}
-    waits = _index(trace, lambda e: e[0] == "wait_event" and e[1] == "compute")
+    reduced = {e[2] for e in trace if e[0] == "record" and e[1] == "reduce"}  # offload's D2H copies of gradients
+    waits = _index(trace, lambda e: e[0] == "wait_event" and e[1] == "compute" and e[2] not in reduced)
     assert waits and all(trace[i][2] in recorded and recorded[trace[i][2]] < i for i in waits)
     # Every gather's copies come before the event the compute waits on: the event covers them.
     for label in {e[3] for e in gathers}:
@@ -53,8 +54,8 @@ def offload_copies_on_copy_stream() -> None:
 
 def hybrid_all_reduce_on_its_stream() -> None:
     """Finding 6: each replica all-reduce is issued right after its reduce-scatter, on its own stream (which waits
-    for that reduce-scatter), and the compute stream waits for the all-reduces only at the end of backward,
-    before clipping's norm all-reduce."""
+    for that reduce-scatter); the compute stream waits for it before the next unit's reduce-scatter goes out (at
+    most one reduction in flight, as FSDP2), and for all of them before clipping's norm all-reduce."""
     trace = _step("hybrid_shard", hybrid_shard_size=2)
     rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter")
     ar = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and e[3])
@@ -66,11 +67,29 @@ def hybrid_all_reduce_on_its_stream() -> None:
         between = trace[i + 1:j]
         assert ("wait_work", "replica", f"reduce_scatter:{label}") in between
         assert not [e for e in between if e[0] == "op" and e[2] == "reduce_scatter"], "issued late"
-    compute_waits = _index(trace, lambda e: e[0] == "wait_work" and e[1] == "compute"
-                           and e[2].startswith("all_reduce:") and e[2] != "all_reduce:")
+    _each_reduction_waited_before_the_next(trace, lambda label: ("wait_work", "compute", f"all_reduce:{label}"))
+
+
+def _each_reduction_waited_before_the_next(trace: list[tuple], wait_entry) -> None:
+    """Every reduction's completion (`wait_entry(label)`, a compute-stream wait) comes before the next unit's
+    reduce-scatter is issued, and every one before clipping's norm all-reduce."""
+    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter")
     norm = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and not e[3])
-    assert compute_waits and min(compute_waits) > max(rs), "the compute stream waited for an all-reduce mid-backward"
-    assert norm and max(compute_waits) < min(norm)
+    assert len(rs) >= 4 and norm
+    for i, j in zip(rs, [*rs[1:], min(norm)], strict=True):
+        assert wait_entry(trace[i][3]) in trace[i + 1:j], f"reduction of {trace[i][3]} still in flight"
+
+
+def offload_reductions_bounded() -> None:
+    """Offload: each reduction's D2H copy runs on the reduce stream, and the compute stream waits for its event
+    before the next unit's reduce-scatter goes out: no gradient outlives its copy by more than one unit."""
+    trace = _step("full_shard", cpu_offload=True)
+    copied = {}  # label -> the event recorded on the reduce stream after its D2H copy
+    for i, e in enumerate(trace):
+        if e[0] == "op" and e[2] == "d2h":
+            assert e[1] == "reduce"
+            copied[e[3]] = next(f[2] for f in trace[i + 1:] if f[0] == "record" and f[1] == "reduce")
+    _each_reduction_waited_before_the_next(trace, lambda label: ("wait_event", "compute", copied[label]))
 
 
 def _backward_order(schedule: BackwardSchedule) -> list[tuple[int, int, int]]:
