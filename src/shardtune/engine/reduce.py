@@ -152,6 +152,7 @@ class GradReducer:
                 item.work.wait()  # CUDA: the compute stream waits for the collective; then it adds the result
             item.flat.accumulate_shard_grad(item.out)
             return
+        self._add_earlier_copy(item.flat)
         with self._on_stream():
             if item.work is not None:
                 item.work.wait()
@@ -167,6 +168,18 @@ class GradReducer:
             accelerator.current_stream(self.device).wait_event(done)  # the copy has read `out`: both may go
         self.num_host_copies += 1
         self._host.append((item.flat, host, done))
+
+    def _add_earlier_copy(self, flat: FlatParam) -> None:
+        """Offload, a later micro-step: the flat's copy from the previous one (a micro-step old: done by now, so
+        the event wait costs nothing) is added into its host gradient before the next copy is allocated. So at most
+        one copy per flat waits on the host, not one per micro-step (grad_accum x the sharded gradients)."""
+        for i, (f, host, done) in enumerate(self._host):
+            if f is flat:
+                del self._host[i]
+                if done is not None:
+                    done.synchronize()
+                f.accumulate_shard_grad(host)
+                return
 
     # -- once per backward / step ------------------------------------------------------------------------------------
     def drain(self) -> None:

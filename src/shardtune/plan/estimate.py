@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardtune.accelerator import pinned_block_bytes
 from shardtune.config.schema import Recipe
 from shardtune.engine.layout import UnitLayout
 from shardtune.plan.stats import DTYPES, ModelStats
@@ -229,6 +230,26 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
     return C * V * 4 + (C * V * c if c != 4 else 0) + grads, grads
 
 
+def offloaded_host_bytes(units: list[UnitLayout], s: Setup) -> int:
+    """cpu_offload's shards and sharded gradients on the host, as the engine allocates them: each shard a pinned
+    buffer (accelerator.pinned_block_bytes: a power of two on CUDA); each unit's reduced gradient copied into a pinned
+    buffer that becomes the fp32 gradient (reduce fp32), or is added into a pageable fp32 one (bf16: both alive
+    when the gradients are added); with reductions on several micro-steps, one more copy per unit waits to be added
+    (engine/reduce.py `_add_earlier_copy`); the vocabulary tables' row gradients pageable fp32 (engine/vocab.py)."""
+    pinned = (lambda n: n) if s.device_is_cpu else pinned_block_bytes
+    r = _size(s.reduce)
+    later_copy = s.grad_accum > 1 and s.sync_every_microstep
+    total = 0
+    for u in units:
+        total += sum(pinned(f.shard_bytes()) for f in u.flats)
+        total += sum(4 * f.shard_numel for f in u.vocab if f.requires_grad)
+        if u.trainable is not None:
+            n = u.trainable.shard_numel
+            total += pinned(4 * n) if r == 4 else 4 * n + pinned(r * n)
+            total += pinned(r * n) if later_copy else 0
+    return total
+
+
 def root_activation_bytes(stats: ModelStats, s: Setup) -> int:
     """Saved outside the units: final norm, rotary cos/sin (shared by all layers), input ids."""
     d, bs = stats.dims, s.micro_batch * s.seq_len
@@ -293,7 +314,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                                       sum(4 * u.trainable.padded_numel for u in units if u.trainable))
     host_per_rank = 0
     if s.offload:  # model states move to the host; the device keeps what is gathered and in flight
-        host_per_rank = states_params - 4 * lora_p + grads_full - 4 * lora_own + opt - 8 * lora_own
+        host_per_rank = offloaded_host_bytes(units, s) + opt - 8 * lora_own
         dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_own, 8 * lora_own
         grads_prev = adapters_prev if s.sync_every_microstep else grads_prev
         if s.device_is_cpu:  # the host IS the device: nothing is saved
