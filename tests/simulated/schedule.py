@@ -52,6 +52,17 @@ def offload_copies_on_copy_stream() -> None:
     assert _index(trace, lambda e: e == ("wait_stream", "h2d", "compute"))
 
 
+def offload_tables_copied_ahead() -> None:
+    """Offload with vocabulary-parallel tables: each table's rows are copied once per unshard of the root, on the
+    copy stream with the root's gather (covered by the event the compute stream waits on), not on the compute
+    stream at every use (embedding, head, backward)."""
+    trace = _step("full_shard", cpu_offload=True, vocab_parallel=True)
+    copies = [e for e in trace if e[0] == "op" and e[2] == "h2d"]
+    assert copies and {e[1] for e in copies} == {"h2d"}, copies
+    roots = [e for e in copies if e[3] == "root"]
+    assert len(roots) == 3, roots  # the root's own flat (final norm) and the two tables (untied Llama), once each
+
+
 def hybrid_all_reduce_on_its_stream() -> None:
     """Finding 6: each replica all-reduce is issued right after its reduce-scatter, on its own stream (which waits
     for that reduce-scatter); the compute stream waits for it before the next unit's reduce-scatter goes out (at

@@ -38,6 +38,7 @@ from torch.distributed import ProcessGroup
 from shardtune import accelerator
 from shardtune.data.formats import IGNORE
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_all_into, reduce_scatter_into
+from shardtune.engine.flat_param import shard_on_device
 from shardtune.loss import add_outer_fp32
 
 _UNIFORM_TOKENS: dict[Any, int | None] = {}  # shard group -> its last embedding call's count, when every rank had it
@@ -66,16 +67,16 @@ class VocabTable:
         """The local real rows (num_local x H) in the compute dtype on the compute device. Trainable: a cast of the
         fp32 master segment, so autograd sends the rows' gradient into the segment's .grad."""
         flat = self.flat
-        src = flat.segments[0][3] if flat.segments else flat.shard[:self.num_local * self.hidden]
-        # cpu_offload: the rows live on the host. Copied as every shard is (flat_param.shard_on_device): non-blocking
-        # from pinned memory, its event kept for wait_host_reads (the host optimizer writes the rows next); the
-        # simulated host (plan/simulate.py HostMeta) knows an H2D copy by non_blocking. No copy when on the device.
-        needs_grad = src.requires_grad and torch.is_grad_enabled() and src.device != self.device
-        dev = _RowsToDevice.apply(src, self.device) if needs_grad else src.to(self.device, non_blocking=True)
-        if dev is not src and accelerator.is_accelerator(self.device):
-            accelerator.note(self.device, "h2d", flat.label)
-            flat._h2d_done = accelerator.new_event(self.device)
-            flat._h2d_done.record()
+        n = self.num_local * self.hidden
+        src = flat.segments[0][3] if flat.segments else flat.shard[:n]
+        # cpu_offload: the rows live on the host. Their unit copied them to the device on its copy stream when it
+        # was unsharded (flat.staged; the compute stream waited for that copy), once for every use until it is
+        # resharded. A use outside (none in training) copies here, on the current stream. No copy when on the device.
+        dev = src
+        if src.device != self.device:
+            staged = (flat.staged if flat.staged is not None else shard_on_device(flat, flat.dtype))[:n]
+            grad = src.requires_grad and torch.is_grad_enabled()
+            dev = _RowsToDevice.apply(src, staged) if grad else staged
         return dev.view(self.num_local, self.hidden).to(flat.compute_dtype)
 
     # -- token exchange -----------------------------------------------------------------------------------------------
@@ -126,14 +127,14 @@ class VocabTable:
 
 
 class _RowsToDevice(torch.autograd.Function):
-    """cpu_offload, trainable table: the host rows copied to the device; the rows' gradient copied back to the host
-    segment (a blocking copy: AccumulateGrad reads it at once). The simulated GPU has no values to copy back: an
-    empty host buffer stands for them, as the reducer's host copies do."""
+    """cpu_offload, trainable table: the host rows' device copy (`staged`) as a function of the host segment; the
+    rows' gradient copied back to the host segment (a blocking copy: AccumulateGrad reads it at once). The simulated
+    GPU has no values to copy back: an empty host buffer stands for them, as the reducer's host copies do."""
 
     @staticmethod
-    def forward(ctx: Any, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def forward(ctx: Any, src: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
         ctx.host = (src.shape, src.dtype, src.device)
-        return src.to(device, non_blocking=True)
+        return staged.view_as(staged)  # a fresh tensor object per use: each gets its own grad_fn
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
