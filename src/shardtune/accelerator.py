@@ -165,11 +165,12 @@ def host_syncs() -> list[tuple[str, str]]:
 
 
 def _caller() -> str:
-    """The innermost frame outside torch and this module: who asked for the sync."""
+    """The innermost frame outside torch, this module and dispatch modes (memory trackers): who asked for it."""
     import sys
 
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename == __file__ or "/torch/" in frame.f_code.co_filename):
+    while frame is not None and (frame.f_code.co_filename == __file__ or "/torch/" in frame.f_code.co_filename
+                                 or frame.f_code.co_name == "__torch_dispatch__"):
         frame = frame.f_back
     return f"{frame.f_globals.get('__name__')}:{frame.f_code.co_name}" if frame is not None else "?"
 
