@@ -142,15 +142,23 @@ def test_resume_1_to_2_workers(reference, tmp_path):
 
 
 def test_torchrun_restart_resumes_from_latest(reference, tmp_path):
-    """One worker dies (SIGKILL); torchrun (launch.max_restarts=1) restarts both; they resume from step_3."""
+    """One worker dies (SIGKILL) mid-run; torchrun (launch.max_restarts=1) restarts both; they resume from step_3.
+
+    Both workers are frozen (SIGSTOP) the moment step_3 is complete, so the kill lands before step 6 whatever the
+    machine's load; the frozen state is checked, and the restart is asserted from the resume notice."""
     run_dir = tmp_path / "run"
     proc = start(*train_args(run_dir, "launch.max_restarts=1"), cwd=tmp_path)
     wait_for(lambda: (run_dir / "checkpoints" / "step_3" / "trainer.json").exists(), what="checkpoint step_3")
     workers = _workers(proc.pid)
     assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    assert not (run_dir / "checkpoints" / "step_6").exists() and not (run_dir / "final").exists()
     os.kill(workers[1], signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
+    os.kill(workers[0], signal.SIGCONT)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
+    assert "at step 3" in out and "resumed from" in out, out[-3000:]  # the restarted workers resumed
     assert losses(run_dir) == losses(reference)
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -66,12 +65,9 @@ def test_hardware_profiles_load() -> None:
         assert hw.memory_bytes > 0 and hw.bf16_tflops > 0 and hw.pcie_gbps > 0
 
 
-def test_70b_recipe_plans_fast_with_exact_param_count() -> None:
-    make_plan("llama-3.1-70b-lora-4x24gb")  # warm imports
-    t0 = time.perf_counter()
-    p = make_plan("llama-3.1-70b-lora-4x24gb")
-    assert time.perf_counter() - t0 < 3.0
-    j = p.to_json()
+def test_70b_recipe_plans_with_exact_param_count() -> None:
+    """(How fast it plans: tests/integration/test_plan_speed.py, against `import torch` on the same machine.)"""
+    j = make_plan("llama-3.1-70b-lora-4x24gb").to_json()
     assert j["model"]["params"] == 70_553_706_496 and j["model"]["units"] == 81
     assert j["fits"] is True and j["capacity_bytes"] == 24 * 2**30 and j["world_size"] == 4
     assert j["per_rank"]["total_bytes"] == sum(v for k, v in j["per_rank"].items() if k != "total_bytes")
