@@ -77,8 +77,7 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return accelerator.to_host(t).tolist()
 
 
-def all_reduce_max(value: float) -> float:
-    """The largest of a host value over the ranks, on the gloo host group: no device round trip, no host sync."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=accelerator.host_group())
-    return t.item()
+def all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return accelerator.item(t)

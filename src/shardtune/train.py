@@ -206,7 +206,7 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     comm = run.sharded.comm_bytes()
     record["comm_bytes"] = comm - comm0 if comm0 >= 0 else None
     if tracker is not None:
-        record["peak_mem_bytes"] = int(all_reduce_max(tracker.peak_bytes()))
+        record["peak_mem_bytes"] = int(all_reduce_max(tracker.peak_bytes(), rt.device))
     return record
 
 

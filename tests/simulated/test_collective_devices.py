@@ -22,6 +22,7 @@ ON_DEVICE = {
     ("engine/collectives.py", "all_to_all_into"): "vocab-parallel logits and their gradient (compute device)",
     ("engine/fingerprint.py", "check_same_on_all_ranks"): "checksums built with device=runtime device",
     ("runtime.py", "all_reduce_sum"): "built with device=runtime device",
+    ("runtime.py", "all_reduce_max"): "built with device=runtime device",
     ("signals.py", "agreed"): "built with device=runtime device",
     ("objective.py", "_precompute"): "the DPO reference table, moved to the runtime device before the sum",
     ("train.py", "train_step"): "the step's loss sum, built with device=runtime device",
@@ -33,7 +34,6 @@ ON_HOST_GROUP = {
     ("checkpoint/manager.py", "_barrier"): "accelerator.host_group()",
     ("data/ranks.py", "prepare_for_ranks"): "dist.new_group(backend='gloo')",
     ("engine/vocab.py", "max_tokens"): "accelerator.host_group(): a token count, host metadata",
-    ("runtime.py", "all_reduce_max"): "accelerator.host_group(): a host value (the memory peak), no device trip",
 }
 
 
