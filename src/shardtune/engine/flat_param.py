@@ -69,6 +69,9 @@ class FlatParam:
         # The shard: 1D, master dtype, numel P/W. Built from the full parameters every rank holds at construction
         # (same seed); costs one unit of extra host memory transiently. Meta params (loader fills later) are skipped.
         self.device = device  # compute device: `full` lives here
+        # The shard lives on the host, apart from the compute device (told by the flag, not by `.device`: the
+        # simulated host's buffers are meta tensors, plan/simulate.py).
+        self.on_host = offload and accelerator.is_accelerator(device)
         if offload:  # pinned on an accelerator: the H2D copy before each all-gather runs async
             self.shard = accelerator.host_empty(self.shard_numel, self.dtype, device, zero=True)
         else:
@@ -136,7 +139,7 @@ class FlatParam:
     def stage_rows(self) -> bool:
         """cpu_offload, a local table: room for its rows on the device, allocated on the current (compute) stream,
         as `full` is. True when there is a copy to issue (`copy_rows`)."""
-        if not (self.local and self.shard.device != self.device and self.staged is None):
+        if not (self.local and self.on_host and self.staged is None):
             return False
         self.staged = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
         return True

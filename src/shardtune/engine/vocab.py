@@ -73,7 +73,7 @@ class VocabTable:
         # was unsharded (flat.staged; the compute stream waited for that copy), once for every use until it is
         # resharded. A use outside (none in training) copies here, on the current stream. No copy when on the device.
         dev = src
-        if src.device != self.device:
+        if flat.on_host:
             staged = (flat.staged if flat.staged is not None else shard_on_device(flat, flat.dtype))[:n]
             grad = src.requires_grad and torch.is_grad_enabled()
             dev = _RowsToDevice.apply(src, staged) if grad else staged

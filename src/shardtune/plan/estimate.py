@@ -357,6 +357,9 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         # never alive at a peak. Counting the root's (embeddings + head, the largest shard) over-predicted the
         # 70B offload recipe by 7 % against `plan --simulate` (bench/RESULTS.md).
         offload_copy = 2 * max((f.shard_bytes() for u in blocks for f in u.flats), default=0)
+        # Row-sharded tables: their rows copied to the device once the root is unsharded, kept until it is
+        # resharded (engine/flat_param.py stage_rows): from the first forward to the end of backward.
+        offload_copy += sum(f.shard_bytes() for f in root.vocab)
 
     # Backward of a unit: its params' grads (compute dtype) + their flat concatenation, fp32 cast for the reduce,
     # the sharded output; the head's weight grad is held until the root reduces.
