@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c $(CONSTRAINTS) pip setuptools wheel
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev,trl]'
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev,trl,wandb,mlflow]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -47,7 +47,7 @@ upgrade-deps:
 	$(PY) -m venv .venv-upgrade
 	.venv-upgrade/bin/pip install -q --upgrade pip setuptools wheel
 	.venv-upgrade/bin/pip install -q $(TORCH)
-	.venv-upgrade/bin/pip install -q -e '.[dev,trl]' $(TORCH)  # newest releases the ranges admit; torch held
+	.venv-upgrade/bin/pip install -q -e '.[dev,trl,wandb,mlflow]' $(TORCH)  # newest releases the ranges admit; torch held
 	cp $(CONSTRAINTS) $(CONSTRAINTS).old
 	{ echo "# Exact versions the suite passed with: the Makefile installs with -c $(CONSTRAINTS)."; \
 	  echo "# Written by 'make upgrade-deps' on $$(date -u +%F) (Python $$(.venv-upgrade/bin/python -c 'import platform; print(platform.python_version())'), $(TORCH) CPU); do not edit by hand."; \

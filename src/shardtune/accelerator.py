@@ -125,6 +125,9 @@ def register_simulated_backend() -> None:
         return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
 
     dist.Backend.register_backend(SIM_BACKEND, create, extended_api=True, devices=["meta"])
+    from shardtune import sim_device_module
+
+    sim_device_module.register()  # torch.meta: the streams and events FSDP2 (engine.backend=torch) asks for
     _simulate_pinned_memory()
     _simulate_host_reads()
     _count_host_copies()

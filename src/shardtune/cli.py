@@ -110,6 +110,8 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
          png: Path | None = typer.Option(None, "--png", help="Write a stacked-bar chart (per phase) to this PNG "
                                          "(default: no chart)."),
          top: int = typer.Option(10, "--top", min=1, help="With --fit: how many candidates to show."),
+         max_seq: bool = typer.Option(False, "--max-seq", help="Print the longest data.seq_len at which the recipe, "
+                                      "as configured, fits (a multiple of 128; exit 3 if none) (default: off)."),
          simulate: bool = typer.Option(False, "--simulate", help="Run one real training step at full size on the "
                                        "simulated GPU (meta device, fake process group; rank 0 of the world) and "
                                        "print its measured peak beside the plan's, with --json as JSON; exit 0 "
@@ -128,6 +130,21 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
         typer.echo(json.dumps(sim.to_json(), indent=2) if json_out else summary(sim))
         raise typer.Exit(0)
     p = make_plan(recipe, overrides or [])
+    if max_seq:
+        from shardtune.plan.long_context import max_seq as longest
+
+        n, at = longest(p)
+        if json_out:
+            typer.echo(json.dumps({"max_seq_len": n, "peak_bytes": at.estimate.total if at else None,
+                                   "host_bytes": at.estimate.host_per_rank if at else None,
+                                   "capacity_bytes": p.capacity}))
+        elif at is None:
+            typer.echo(f"no data.seq_len fits {p.setup.world} x {p.hardware.key}, not even 128 tokens")
+        else:
+            typer.echo(f"longest data.seq_len that fits {p.setup.world} x {p.hardware.key}: {n:,} tokens "
+                       f"(peak {at.estimate.total / 2**30:.2f} GiB of {p.capacity / 2**30:.2f}; host "
+                       f"{at.estimate.host_per_rank / 2**30:.2f} GiB per rank)")
+        raise typer.Exit(0 if n else 3)
     if png is not None:
         write_png(p, png)
     if fit:
@@ -219,7 +236,7 @@ def keys(prefix: str | None = typer.Argument(None, help="Only keys under this se
 
 @app.command()
 def export(checkpoint: str = typer.Argument(..., help="<output_dir>/checkpoints/step_N (or the checkpoints folder: "
-                                            "its newest)."),
+                                            "its newest; with --merge also a LoRA run's final/)."),
            out_dir: str = typer.Argument(..., help="Folder to write: HF safetensors (+ index) or a PEFT adapter."),
            max_shard_size_mb: int = typer.Option(2048, min=1, help="Split the safetensors output into files of at "
                                                  "most this many MiB."),
@@ -228,23 +245,16 @@ def export(checkpoint: str = typer.Argument(..., help="<output_dir>/checkpoints/
                                       "(default: off)."),
            force: bool = typer.Option(False, "--force", help="Write into a non-empty folder, replacing the model "
                                       "files there (default: refuse, exit 2)."),
+           push_to_hub: str | None = typer.Option(None, "--push-to-hub", help="Then upload the folder to this Hugging "
+                                                  "Face repo (OWNER/NAME, created private if missing; HF_TOKEN or "
+                                                  "`hf auth login`; default: no upload)."),
            ) -> None:
     """Consolidate a sharded checkpoint, streamed tensor by tensor (peak memory ~ one output file)."""
-    from shardtune.checkpoint.paths import latest_checkpoint, prepare_target
+    from shardtune.checkpoint.export_command import run_export
 
-    ckpt = latest_checkpoint(Path(checkpoint))
-    prepare_target(Path(out_dir), force=force)  # before torch is imported: a refusal takes a moment
-    from shardtune.checkpoint.consolidate import export_checkpoint
-    from shardtune.checkpoint.merge import merge_checkpoint
-    from shardtune.progress import ExportProgress
-
-    write = merge_checkpoint if merge else export_checkpoint
-    progress = ExportProgress()
-    try:
-        files = write(ckpt, Path(out_dir), max_shard_bytes=max_shard_size_mb * 1024**2, progress=progress)
-    finally:
-        progress.close()
-    typer.echo(f"wrote {len(files)} file(s) to {out_dir}")
+    files = run_export(Path(checkpoint), Path(out_dir), merge=merge, max_shard_bytes=max_shard_size_mb * 1024**2,
+                       force=force, push_to_hub=push_to_hub)
+    typer.echo(f"wrote {len(files)} file(s) to {out_dir}" + (f", pushed to {push_to_hub}" if push_to_hub else ""))
 
 
 MODEL_ARG = typer.Argument(..., help="A run directory (its final/, else its newest checkpoint), a final/ or exported "
@@ -253,12 +263,15 @@ TEMPERATURE = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy; abov
 TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (with --temperature > 0).")
 SEED = typer.Option(0, "--seed", help="Sampling seed.")
 DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda (one GPU).")
+SYSTEM = typer.Option(None, "--system", help="A system message opening the chat (chat-trained models; default: "
+                      "none).")
 
 
 GENERATE_HELP = (
     "Complete prompts with a trained model, in one process on CPU or one GPU. The prompt is rendered as in "
     "training: the run's recipe.yaml (beside or above the model) gives data.format, data.template and "
-    "model.chat_template, and for a LoRA adapter its base model.")
+    "model.chat_template, and for a LoRA adapter its base model; an exported folder keeps that in "
+    "shardtune_prompt.json, and any other folder is asked through its own chat template when it has one.")
 
 
 @app.command(help=GENERATE_HELP)
@@ -268,13 +281,13 @@ def generate(model: str = MODEL_ARG,
                                               "its own line (newlines in a completion are printed as \\n)."),
              max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),
              temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED, device: str = DEVICE,
-             ) -> None:
+             system: str | None = SYSTEM) -> None:
     from shardtune.generate import Sampling, complete, load, render
 
     loaded = load(Path(model), device)
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
     for p in prompt:
-        text = complete(loaded, render(loaded, p), sampling)
+        text = complete(loaded, render(loaded, p, system=system), sampling)
         typer.echo(text.replace("\n", "\\n") if len(prompt) > 1 else text)
 
 
@@ -283,10 +296,10 @@ def generate(model: str = MODEL_ARG,
 def chat(model: str = MODEL_ARG,
          max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens per reply."),
          temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED, device: str = DEVICE,
-         ) -> None:
+         system: str | None = SYSTEM) -> None:
     from shardtune.generate import Sampling, chat_loop, load
 
-    chat_loop(load(Path(model), device), Sampling(max_new_tokens, temperature, top_p, seed))
+    chat_loop(load(Path(model), device), Sampling(max_new_tokens, temperature, top_p, seed), system=system)
 
 
 def main() -> None:

@@ -35,7 +35,11 @@ def sequence_logps(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
                    position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probability of each row's target tokens (logits upcast to at least fp32) and the target counts:
     [rows] each."""
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[:, :-1]
+    # Preference rows are never packed: one document then padding, which causal attention never lets the document
+    # see, so each row is one causal span for the attention (attention.py), no device sync to find documents.
+    whole_rows = ((input_ids.shape[1],),) * input_ids.shape[0]
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                   doc_lengths=whole_rows).logits[:, :-1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     target = labels[:, 1:]
     mask = target != IGNORE

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from shardtune.attention import doc_lengths
 from shardtune.data.batches import RowSource
 from shardtune.data.formats import IGNORE
 from shardtune.loss import token_loss_sum
@@ -32,8 +33,9 @@ def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_siz
         weight = 1.0 if len(idx) else 0.0
         if not len(idx):
             idx = torch.tensor([0])  # a dummy forward keeps the collectives in step
-        ids, labels, pos = (torch.from_numpy(x).to(rt.device) for x in rows.take(idx.numpy()))
-        s = token_loss_sum(model, ids, labels, pos, chunk_tokens=loss_chunk_tokens)
+        host = rows.take(idx.numpy())
+        ids, labels, pos = (torch.from_numpy(x).to(rt.device) for x in host)
+        s = token_loss_sum(model, ids, labels, pos, chunk_tokens=loss_chunk_tokens, doc_lengths=doc_lengths(host[2]))
         loss_sum += weight * float(s)
         count += weight * float((labels[:, 1:] != IGNORE).sum())
     model.train(was_training)

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shardtune.engine.api import ShardedModel
+from shardtune.engine.torch_backend import full_tensor
 from shardtune.lora import is_adapter, lora_config, save_adapter
 
 
@@ -40,9 +40,7 @@ def save_final(sharded: ShardedModel, hf_model: PreTrainedModel, tok: PreTrained
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     """A whole CPU copy of a parameter; collective for FSDP2's DTensors (every rank calls it in the same order)."""
-    if isinstance(p, DTensor):
-        p = p.full_tensor()
-    return p.detach().to("cpu", torch.float32, copy=True)
+    return full_tensor(p.detach()).to("cpu", torch.float32, copy=True)
 
 
 def param_shapes(model: PreTrainedModel) -> dict[str, dict[str, Any]]:

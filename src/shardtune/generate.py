@@ -3,7 +3,8 @@
 What can be given: a run directory (its final/, else its newest checkpoint), a final/ or exported folder (a full HF
 model or a PEFT adapter), or a sharded checkpoint (consolidated into a temporary folder first). The run's
 recipe.yaml, found beside or above it, says how prompts were rendered in training (data.format, data.template,
-model.chat_template) and, for an adapter, which base it was trained over.
+model.chat_template) and, for an adapter, which base it was trained over. A folder away from its run says it
+with the record `shardtune export` writes, else with its own chat template (prompt_style.py).
 """
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardtune.checkpoint.paths import TRAINER_FILE
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
+from shardtune.prompt_style import PromptStyle, folder_style, style_of_recipe
 
 if TYPE_CHECKING:  # torch and transformers load only once the target is known to be a model (a typo costs ~0 s)
     import torch
@@ -37,6 +40,13 @@ class Loaded:
     model: PreTrainedModel
     tok: PreTrainedTokenizerBase
     recipe: Recipe | None
+    folder: PromptStyle | None = None  # the folder's own style, used when no recipe is found
+
+    @cached_property  # once: a DPO run's style reads the head of its data file
+    def style(self) -> PromptStyle:
+        if self.recipe is not None:
+            return style_of_recipe(self.recipe)
+        return self.folder or PromptStyle("chat" if self.tok.chat_template else "text")
 
 
 def find_recipe(target: Path) -> Recipe | None:
@@ -100,13 +110,14 @@ def load(target: Path, device: str) -> Loaded:
                 model = PeftModel.from_pretrained(_base(folder, recipe), str(folder)).merge_and_unload()
         else:
             model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+        style = folder_style(folder, bool(tok.chat_template))
     if recipe is not None:
         from shardtune.data.templates import resolve_chat_template
 
         tok.chat_template = resolve_chat_template(tok.chat_template, recipe.model.chat_template)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return Loaded(model.to(_device(device)).eval(), tok, recipe)
+    return Loaded(model.to(_device(device)).eval(), tok, recipe, style)
 
 
 def _base(folder: Path, recipe: Recipe | None) -> PreTrainedModel:
@@ -117,7 +128,9 @@ def _base(folder: Path, recipe: Recipe | None) -> PreTrainedModel:
         raise UserError(f"generate: '{folder}' is a LoRA adapter but no recipe.yaml is beside or above it: the base "
                         "model is unknown; export with `shardtune export --merge` or give the run directory")
     if recipe.model.init == "pretrained":
-        return AutoModelForCausalLM.from_pretrained(recipe.model.path, local_files_only=True)
+        from shardtune.hub import EVERYTHING, model_dir
+
+        return AutoModelForCausalLM.from_pretrained(model_dir(recipe.model.path, EVERYTHING), local_files_only=True)
     from shardtune.model import build_model
 
     return build_model(recipe.model, seed=recipe.train.seed)  # the same seeded weights the run started from
@@ -134,30 +147,28 @@ def _device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def render(loaded: Loaded, prompt: str, history: list[dict[str, str]] | None = None) -> str:
-    """The text the model continues, in the shape of its training data."""
-    r, tok = loaded.recipe, loaded.tok
-    fmt = _single(r, "format") if r is not None else "text"
-    if fmt == "chat":
+def render(loaded: Loaded, prompt: str, history: list[dict[str, str]] | None = None, *,
+           system: str | None = None) -> str:
+    """The text the model continues, in the shape of its training data. `system` opens a chat; a model trained
+    on single prompts has no place for it (warned, left out)."""
+    tok, style = loaded.tok, loaded.style
+    if style.kind == "chat":
         if not tok.chat_template:
             raise UserError("generate: the run trained on chat data but the tokenizer has no chat template: set "
                             "model.chat_template in the recipe")
-        messages = [*(history or []), {"role": "user", "content": prompt}]
+        opening = [{"role": "system", "content": system}] if system is not None else []
+        messages = [*opening, *(history or []), {"role": "user", "content": prompt}]
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if fmt == "instruction":
+    if system is not None:
+        import warnings
+
+        warnings.warn(f"--system is ignored: the model was trained on {style.kind} prompts, which have no system "
+                      "message", stacklevel=2)
+    if style.kind == "instruction":
         from shardtune.data.templates import render_prompt
 
-        return (tok.bos_token or "") + render_prompt(_single(r, "template"), prompt)
+        return (tok.bos_token or "") + render_prompt(style.template or "plain", prompt)
     return (tok.bos_token or "") + prompt
-
-
-def _single(recipe: Recipe, key: str) -> Any:
-    """A data setting of the run; a mix uses its first dataset's (each part may set its own)."""
-    value = getattr(recipe.data, key)
-    path = recipe.data.path
-    if isinstance(path, (list, tuple)) and path and isinstance(path[0], dict) and key in path[0]:
-        return path[0][key]
-    return value
 
 
 def complete(loaded: Loaded, text: str, s: Sampling) -> str:
@@ -182,7 +193,7 @@ def complete(loaded: Loaded, text: str, s: Sampling) -> str:
 def turn_end(loaded: Loaded) -> str | None:
     """The text a chat template writes after an assistant's message (stripped; a bare newline stays), found by
     rendering one; None for runs not trained on chats."""
-    if loaded.recipe is None or _single(loaded.recipe, "format") != "chat" or not loaded.tok.chat_template:
+    if loaded.style.kind != "chat" or not loaded.tok.chat_template:
         return None
     sentinel = "\x00reply\x00"
     try:
@@ -196,10 +207,11 @@ def turn_end(loaded: Loaded) -> str | None:
     return after.strip() or (after[:1] if after else None)
 
 
-def chat_loop(loaded: Loaded, s: Sampling, stdin: Any = sys.stdin, stdout: Any = sys.stdout) -> None:
-    """One reply per input line until EOF or /exit. Chat-trained runs keep the conversation; others answer each
-    line alone (they were trained on single prompts). /reset forgets the conversation."""
-    keeps = loaded.recipe is not None and _single(loaded.recipe, "format") == "chat"
+def chat_loop(loaded: Loaded, s: Sampling, stdin: Any = sys.stdin, stdout: Any = sys.stdout, *,
+              system: str | None = None) -> None:
+    """One reply per input line until EOF or /exit. Chat-trained models keep the conversation; others answer each
+    line alone (they were trained on single prompts). /reset forgets the conversation (the system message stays)."""
+    keeps = loaded.style.kind == "chat"
     tty = stdin.isatty()
     history: list[dict[str, str]] = []
     if tty:
@@ -214,7 +226,7 @@ def chat_loop(loaded: Loaded, s: Sampling, stdin: Any = sys.stdin, stdout: Any =
         if prompt.strip() == "/reset":
             history = []
             continue
-        reply = complete(loaded, render(loaded, prompt, history if keeps else None), s)
+        reply = complete(loaded, render(loaded, prompt, history if keeps else None, system=system), s)
         print(reply, file=stdout, flush=True)
         if keeps:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]

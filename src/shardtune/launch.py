@@ -115,6 +115,11 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trus
                   "outside them, or pass the overrides `shardtune plan RECIPE --fit` lists", file=sys.stderr)
         return run_worker(recipe)
     nproc = check_launch(recipe)
+    from shardtune.trackers import tracker_problems
+
+    missing = tracker_problems(recipe.train.report_to)
+    if missing:  # before any worker starts
+        raise UserError(missing[0])
     header = ""
     if check or fit:
         from shardtune.preflight import preflight

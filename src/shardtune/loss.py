@@ -33,20 +33,22 @@ from shardtune.engine.layout import supports_chunked_loss  # also what vocab_par
 
 
 def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                   *, chunk_tokens: int = 0) -> torch.Tensor:
-    """Summed next-token cross-entropy over target tokens, in fp32. `chunk_tokens=0`: today's path (full logits)."""
+                   *, chunk_tokens: int = 0, doc_lengths: tuple | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy over target tokens, in fp32. `chunk_tokens=0`: today's path (full logits).
+    `doc_lengths`: each row's documents (attention.py), so the attention finds them without a device sync."""
+    extra = {} if doc_lengths is None else {"doc_lengths": doc_lengths}
     if chunk_tokens <= 0 or not supports_chunked_loss(model):
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                ignore_index=IGNORE, reduction="sum")
     # Targets shifted by one; the last position of each row has none. Shifting the targets, not the hidden states,
     # avoids a copy of b*s*H.
     targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1).flatten()
-    return _fused_loss(model, input_ids, position_ids, targets, chunk_tokens)
+    return _fused_loss(model, input_ids, position_ids, targets, chunk_tokens, extra)
 
 
 def _fused_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
-                chunk_tokens: int) -> torch.Tensor:
+                chunk_tokens: int, extra: dict[str, Any]) -> torch.Tensor:
     """One call of the whole model (the root module's hooks, either backend, must see it), with `logits_to_keep`
     selecting no position, so the head projects nothing. The loss is computed when the head is called, inside the
     root's forward: the head's weight is gathered then, also under no_grad, where our engine frees every unit,
@@ -70,7 +72,7 @@ def _fused_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.T
                model.get_output_embeddings().register_forward_pre_hook(project)]
     try:
         none = torch.empty(0, dtype=torch.long, device=input_ids.device)
-        model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=none)
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=none, **extra)
     finally:
         for h in handles:
             h.remove()

@@ -19,13 +19,26 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 _ACTIVE: list[CpuMemoryTracker] = []
+_HOST_SCOPE = threading.local()  # depth of `host_allocations()` blocks open in this thread
+
+
+@contextmanager
+def host_allocations() -> Iterator[None]:
+    """Storages created inside count as host memory (apart from the device peak), on any device type: what a CPU run
+    offloads to "host" buffers (engine/offload_activations.py) would sit in pinned host memory on an accelerator."""
+    _HOST_SCOPE.depth = getattr(_HOST_SCOPE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST_SCOPE.depth -= 1
 
 
 def storage_resized(tensor: torch.Tensor) -> None:
@@ -97,7 +110,8 @@ class CpuMemoryTracker(TorchDispatchMode):
         if key not in self._sizes:
             self._refs[key] = weakref.ref(st, lambda _, k=key: self._forget(k))
             self._sizes[key] = 0
-            if host if host is not None else (self._host_pred is not None and self._host_pred(None)):
+            if host if host is not None else (getattr(_HOST_SCOPE, "depth", 0) > 0
+                                              or (self._host_pred is not None and self._host_pred(None))):
                 self._host.add(key)
         old = self._sizes[key]
         if n != old:

@@ -1,9 +1,10 @@
-"""The run directory's records, written by rank 0: metrics.jsonl, TensorBoard events, loss.png; progress on stdout
-(progress.py)."""
+"""The run directory's records, written by rank 0: metrics.jsonl, TensorBoard events, loss.png, W&B and MLflow runs
+(trackers.py, with train.report_to); progress on stdout (progress.py)."""
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,15 @@ from shardtune.progress import make_progress
 
 class MetricsLog:
     def __init__(self, run_dir: Path, *, max_steps: int, enabled: bool, start_step: int = 0, log_every: int = 20,
-                 show_epoch: bool = False) -> None:
+                 show_epoch: bool = False, report_to: Sequence[str] = ("tensorboard",),
+                 config: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = max_steps
         self.history: list[dict[str, Any]] = []
         self._tb = None
         self._progress = None
+        self._trackers = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -26,11 +29,17 @@ class MetricsLog:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         self._file = self.path.open("a")
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            if "tensorboard" in report_to:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         except ImportError:  # tensorboard is a dependency; a stripped install still trains
             self._tb = None
+        others = [t for t in report_to if t != "tensorboard"]
+        if others:
+            from shardtune.trackers import Trackers
+
+            self._trackers = Trackers(others, run_dir, config or {}, resume=start_step > 0)
         self._progress = make_progress(max_steps=max_steps, start_step=start_step, log_every=log_every,
                                        show_epoch=show_epoch)
 
@@ -44,6 +53,8 @@ class MetricsLog:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, record["step"])
+        if self._trackers is not None:
+            self._trackers.log(record)
         self._progress.update(record)
 
     def last_loss(self) -> float | None:
@@ -55,6 +66,8 @@ class MetricsLog:
         self._progress.close()  # the live display (or the last plain line) becomes a one-line summary
         if self._tb is not None:
             self._tb.close()
+        if self._trackers is not None:
+            self._trackers.close()
         self._file.close()
         plot_loss(self.history, run_dir / "loss.png")
 

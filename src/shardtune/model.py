@@ -13,10 +13,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from shardtune.attention import attn_implementation
 from shardtune.config.schema import ModelConfig
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.templates import resolve_chat_template
 from shardtune.errors import UserError
+from shardtune.hub import CONFIG, TOKENIZER, is_hub_id, model_dir
 from shardtune.loading import build_empty
 from shardtune.seeded_init import init_full
 
@@ -24,7 +26,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load_config(cfg: ModelConfig) -> PretrainedConfig:
-    source = cfg.config or cfg.path
+    source = cfg.config or (model_dir(cfg.path) if cfg.path else None)
     assert source is not None, "schema guarantees config or path"
     try:
         return AutoConfig.from_pretrained(source, local_files_only=True)
@@ -42,10 +44,17 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     or shard by shard at any world size."""
     hf_config = load_config(cfg)
     dtype = DTYPES[cfg.dtype]
-    if cfg.init == "pretrained" and not any(Path(cfg.path).glob("*.safetensors")):  # type: ignore[arg-type]
+    # a hub id's weights are fetched by the trainer (hub.fetch_for_ranks), not by plan or validate
+    if cfg.init == "pretrained" and not is_hub_id(cfg.path) and not any(Path(cfg.path).glob("*.safetensors")):
         raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
-    model = build_empty(lambda: AutoModelForCausalLM.from_config(
-        hf_config, dtype=dtype, attn_implementation=cfg.attn_implementation))
+    try:
+        model = build_empty(lambda: AutoModelForCausalLM.from_config(
+            hf_config, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation)))
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        raise UserError(f"model.attn_implementation: {hf_config.model_type} has no '{cfg.attn_implementation}' "
+                        "attention in transformers: set model.attn_implementation=eager") from None
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)
@@ -59,7 +68,7 @@ def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def _load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    source = cfg.tokenizer or cfg.path
+    source = cfg.tokenizer or (model_dir(cfg.path, CONFIG + TOKENIZER) if cfg.path else None)
     if source is None or source == "builtin:char":
         return build_char_tokenizer()
     try:

@@ -35,6 +35,7 @@ class SftObjective:
 
     def __init__(self, recipe: Recipe, data: TokenizedData) -> None:
         self.recipe, self.data = recipe, data
+        self._router = None  # RouterBalance, attached on the first micro-step when router_aux_loss_coef > 0
 
     def batches(self, *, world_size: int) -> GlobalBatches:
         t = self.recipe.train
@@ -54,8 +55,17 @@ class SftObjective:
         pass
 
     def micro_loss(self, model: nn.Module, mb: MicroBatch, norm: int) -> tuple[torch.Tensor, torch.Tensor]:
+        coef = self.recipe.train.router_aux_loss_coef
+        if coef and self._router is None:
+            from shardtune.router_loss import RouterBalance
+
+            self._router = RouterBalance(model)
+        if self._router is not None:
+            self._router.start()
         loss = token_loss_sum(model, mb.input_ids, mb.labels, mb.position_ids,
-                              chunk_tokens=self.recipe.train.loss_chunk_tokens) / norm
+                              chunk_tokens=self.recipe.train.loss_chunk_tokens, doc_lengths=mb.doc_lengths) / norm
+        if self._router is not None:
+            loss = loss + coef * self._router.loss(mb.input_ids.shape[0], norm)
         return loss, loss.new_zeros(0)
 
     def metrics(self, sums: list[float], norm: int) -> dict[str, float]:

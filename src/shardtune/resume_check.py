@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, newest_complete
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
+from shardtune.hub import model_dir
 
 # Keys whose change makes the checkpoint unloadable (or loadable into a different model).
 INCOMPATIBLE = ("model.architecture", "model.path", "model.init", "model.dtype", "model.tokenizer", "lora.enabled",
@@ -38,7 +39,7 @@ _NOT_RECIPE = ("launch.", "hardware.", "train.resume", "description", "train.gra
 def _architecture(recipe: Recipe) -> str:
     """A hash of the HF config.json (architecture only): where the file lives does not matter, what it says does."""
     m = recipe.model
-    path = Path(m.config) if m.config else Path(m.path or "") / "config.json"
+    path = Path(m.config) if m.config else model_dir(m.path or "") / "config.json"  # a Hub id: its cached config
     try:
         text = json.dumps(json.loads(path.read_text()), sort_keys=True)
     except (OSError, ValueError):

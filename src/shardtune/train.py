@@ -5,7 +5,7 @@ import json
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from shardtune.data.ranks import prepare_for_ranks
 from shardtune.engine.api import ShardedModel
 from shardtune.evaluate import demo_samples, exact_match
 from shardtune.export import param_shapes, save_final, write_export_info
+from shardtune.hub import fetch_for_ranks, is_hub_id
 from shardtune.metrics import MetricsLog
 from shardtune.model import build_model, build_tokenizer
 from shardtune.objective import SftObjective, build_objective
@@ -67,7 +68,8 @@ def train(recipe: Recipe) -> dict:
     start_step = resume(run)
     max_steps = run.max_steps
     log = MetricsLog(run.run_dir, max_steps=max_steps, enabled=rt.is_main, start_step=start_step,
-                     log_every=cfg.log_every, show_epoch=cfg.epochs is not None)
+                     log_every=cfg.log_every, show_epoch=cfg.epochs is not None, report_to=cfg.report_to,
+                     config=asdict(recipe))
     tracker = _memory_tracker(cfg.profile_memory, rt.device)
     stop = StopRequest()
     demo = demo_samples(run.data, cfg.demo_eval_samples, announce=rt.is_main) if cfg.demo_eval else []
@@ -117,6 +119,8 @@ def setup(recipe: Recipe, *, simulated: bool = False) -> Run:
     """`simulated`: on the simulated GPU (accelerator.py), for tests/simulated and `plan --simulate`."""
     rt = init_runtime(recipe.launch, simulated=simulated)
     cfg = recipe.train
+    if is_hub_id(recipe.model.path):
+        fetch_for_ranks(recipe.model.path, rank=rt.rank)  # rank 0 downloads, the others wait
     tok = build_tokenizer(recipe.model)
     data = prepare_for_ranks(recipe.data, tok, seed=cfg.seed, output_dir=cfg.output_dir, rank=rt.rank)
     model = build_model(recipe.model, seed=cfg.seed, device=rt.device, sharded_init=True)  # filled by parallelize

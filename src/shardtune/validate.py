@@ -10,9 +10,11 @@ from shardtune.errors import UserError
 def recipe_problems(recipe: Recipe) -> list[str]:
     from shardtune.data.check import data_problems
     from shardtune.model import build_tokenizer, load_config
+    from shardtune.moe_checks import model_problems
+    from shardtune.trackers import tracker_problems
 
-    problems = []
     t = recipe.train
+    problems = tracker_problems(t.report_to)
     if t.max_steps is not None and t.warmup_steps >= t.max_steps:
         problems.append(f"train.warmup_steps={t.warmup_steps} >= train.max_steps={t.max_steps}: the learning rate "
                         "would never leave warmup; lower train.warmup_steps")
@@ -21,6 +23,7 @@ def recipe_problems(recipe: Recipe) -> list[str]:
         if positions is not None and recipe.data.seq_len > positions:
             problems.append(f"data.seq_len={recipe.data.seq_len} exceeds the model's max_position_embeddings="
                             f"{positions}: set data.seq_len <= {positions}")
+        problems += model_problems(recipe)
     except UserError as e:
         problems.append(str(e))
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,15 +11,17 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.bundled import CONFIGS_DIR
-from shardtune.engine.api import MixedPrecision, ShardingPolicy, ShardingStrategy, default_no_weight_decay
-from shardtune.engine.wrap import resolve_unit_classes
+from shardtune.config.schema import EngineConfig, LoraConfig, Recipe
+from shardtune.engine.api import ShardingPolicy, default_no_weight_decay
+from shardtune.parallelize import sharding_policy
 
 MODELS = ("tiny-llama", "tiny-qwen2")
 
 
-def build_model(name: str, *, seed: int = 0) -> nn.Module:
+def build_model(name: str, *, seed: int = 0, **config: object) -> nn.Module:
+    """`config`: HF config fields to change (num_hidden_layers=1)."""
     path = CONFIGS_DIR / "models" / f"{name}.json"
-    cfg = AutoConfig.from_pretrained(str(path))
+    cfg = AutoConfig.from_pretrained(str(path), **config)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
 
@@ -43,10 +46,15 @@ def num_targets(labels: torch.Tensor) -> int:
 
 
 def policy_for(model: nn.Module, strategy: str, *, world: int, param_dtype: torch.dtype = torch.float32,
-               reduce_dtype: torch.dtype = torch.float32, prefetch: bool = True) -> ShardingPolicy:
-    return ShardingPolicy(strategy=ShardingStrategy(strategy), unit_classes=resolve_unit_classes(model, "auto"),
-                          mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-                          hybrid_shard_size=2 if strategy == "hybrid_shard" else None, prefetch=prefetch)
+               reduce_dtype: torch.dtype = torch.float32, lora: str | None = None, **engine: Any) -> ShardingPolicy:
+    """What train runs (parallelize.sharding_policy) for the recipe schema's defaults plus the stated settings:
+    `strategy` (hybrid: shard groups of 2), the dtypes, `lora` ("lora", or "nf4" for QLoRA) and `engine`, any other
+    engine.* key (prefetch=False)."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    recipe = Recipe(engine=EngineConfig(strategy=strategy, hybrid_shard_size=2 if strategy == "hybrid_shard" else None,
+                                        mixed_precision=names[param_dtype], reduce_dtype=names[reduce_dtype], **engine),
+                    lora=LoraConfig(enabled=lora is not None, quantize_base="nf4" if lora == "nf4" else None))
+    return sharding_policy(recipe, model, world_size=world)
 
 
 def adamw(groups_or_model, weight_decay: float = 0.1) -> torch.optim.AdamW:

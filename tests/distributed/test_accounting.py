@@ -1,4 +1,6 @@
-"""Accounting: comm bytes vs ring theory, model-state bytes vs formula, peak live bytes during forward."""
+"""Accounting: comm bytes vs ring theory, model-state bytes vs formula, peak live bytes during forward. The formulas
+count every parameter in a gathered unit, the tables in the root: engine.vocab_parallel=false throughout (its own
+traffic and memory: test_vocab_parallel.py)."""
 from __future__ import annotations
 
 import torch
@@ -18,7 +20,7 @@ def ring(numel: int, elem: int, world: int) -> int:
 
 def unit_numels(model) -> list[int]:
     """Parameter count per unit (forward order) then the root, from the unsharded model (independent of engine)."""
-    policy = policy_for(model, "full_shard", world=1)
+    policy = policy_for(model, "full_shard", world=1, vocab_parallel=False)
     units = find_units(model, policy.unit_classes)
     in_units = {id(p) for u in units for p in u.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
@@ -49,7 +51,7 @@ def _comm(model_name: str, strategy: str, param_dtype: torch.dtype) -> None:
     world = dist.get_world_size()
     model = build_model(model_name)
     numels = unit_numels(model)
-    sharded = shard_model(model, policy_for(model, strategy, world=world, param_dtype=param_dtype),
+    sharded = shard_model(model, policy_for(model, strategy, world=world, param_dtype=param_dtype, vocab_parallel=False),
                           device=torch.device("cpu"))
     s = 1 if strategy == "no_shard" else (2 if strategy == "hybrid_shard" else world)
     assert [sum(f) for f in sharded.padded_numels()] == [pad(n, s) for n in numels]
@@ -83,7 +85,7 @@ def _memory(model_name: str) -> None:
     numels = unit_numels(model)
     full_bytes = sum(p.nbytes for p in model.parameters())
     live0 = snapshot_live_bytes()
-    sharded = shard_model(model, policy_for(model, "full_shard", world=world), device=torch.device("cpu"))
+    sharded = shard_model(model, policy_for(model, "full_shard", world=world, vocab_parallel=False), device=torch.device("cpu"))
     shard_bytes = sum(pad(n, world) // world * 4 for n in numels)
     # Model-state bytes: the formula, the engine's own count, and what is actually alive all agree.
     assert sharded.model_state_bytes() == shard_bytes

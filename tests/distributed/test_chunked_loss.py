@@ -17,7 +17,7 @@ from tests.distributed.test_qlora import block_linears, reference_nf4
 from shardtune.engine import shard as shardtune_backend
 from shardtune.engine import torch_backend
 from shardtune.engine.nf4_linear import TiledNF4Tensor
-from shardtune.lora import apply_lora, is_adapter
+from shardtune.lora import apply_lora
 from shardtune.loss import supports_chunked_loss, token_loss_sum
 
 NUM_STEPS = 8
@@ -77,10 +77,9 @@ def nf4_reference_weights(model) -> None:
 def _parity(name: str, mode: str, backend: str, strategy: str = "full_shard", tile: int = 0) -> None:
     ref = _reference(name, mode)
     model = _model(name, mode)
-    policy = policy_for(model, strategy, world=dist.get_world_size())
-    if mode != "full":
-        policy = dataclasses.replace(policy, replicated=lambda n, p: is_adapter(n), quantize_base=mode == "qlora",
-                                     nf4_tile_bytes=tile)
+    policy = policy_for(model, strategy, world=dist.get_world_size(), lora={"full": None, "lora": "lora", "qlora": "nf4"}[mode])
+    if mode == "qlora":  # the grid's tile size (0: torchao's whole-weight matmul)
+        policy = dataclasses.replace(policy, nf4_tile_bytes=tile)
     if backend == "torch":
         if mode == "qlora":
             from shardtune.engine.layout import group_unit_params

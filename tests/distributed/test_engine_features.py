@@ -28,10 +28,11 @@ NUM_STEPS = 4
 
 
 def _run(*, checkpoint_every: int | None = None, offload: bool = False, strategy: str = "full_shard",
-         param_dtype=torch.float32, reduce_dtype=torch.float32, device: str = "cpu", steps: int = NUM_STEPS):
+         param_dtype=torch.float32, reduce_dtype=torch.float32, device: str = "cpu", steps: int = NUM_STEPS,
+         vocab_parallel: bool = True):
     model = build_model("tiny-llama")
     policy = policy_for(model, strategy, world=dist.get_world_size(), param_dtype=param_dtype,
-                        reduce_dtype=reduce_dtype)
+                        reduce_dtype=reduce_dtype, vocab_parallel=vocab_parallel)
     policy = dataclasses.replace(policy, cpu_offload=offload)
     if checkpoint_every:
         apply_activation_checkpointing(model, policy.unit_classes, every_k=checkpoint_every)
@@ -42,8 +43,10 @@ def _run(*, checkpoint_every: int | None = None, offload: bool = False, strategy
 
 
 def _mixed_precision(reduce_dtype: torch.dtype) -> None:
-    """bf16 all-gathers, reduce-scatter in reduce_dtype, fp32 sharded grads and master weights."""
-    _, sharded, opt, _ = _run(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, steps=1)
+    """bf16 all-gathers, reduce-scatter in reduce_dtype, fp32 sharded grads and master weights. With the tables in
+    the root (engine.vocab_parallel=false): the counter's reduce-scatters are then the gradients' alone (the
+    vocabulary tables' reduce-scatter activations, in the compute dtype)."""
+    _, sharded, opt, _ = _run(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, steps=1, vocab_parallel=False)
     ops = {op: dtype for op, dtype in sharded.ctx.counter.calls}
     kinds = set(sharded.ctx.counter.calls)
     assert ("all_gather", torch.bfloat16) in kinds and ("all_gather", torch.float32) not in kinds, kinds

@@ -95,9 +95,14 @@ def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend
         torch.testing.assert_close(norm, ref["norms"][step], rtol=1e-4, atol=0)
     if ours:
         assert sharded.ctx.reducer.num_issued > 0 and sharded.ctx.reducer.pending() == 0
-        for u in sharded.units:  # after 20 AdamW steps the master shards still track the reference
+        # After 20 AdamW steps the master shards still track the reference. AdamW divides by the gradient's own
+        # scale, so an element whose gradient is float noise moves by up to lr per step either way: with the
+        # vocabulary tables row-sharded (the default) the head's and embedding's sums run in another order than the
+        # reference's one matmul, and a handful of such elements drift by ~1e-5 (the tight checks are the losses,
+        # the norms and the step-0 gradients above).
+        for u in sharded.units:
             for flat in u.flats:
-                torch.testing.assert_close(flat.shard, expected_shard(flat, ref["final"]), rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(flat.shard, expected_shard(flat, ref["final"]), rtol=1e-4, atol=5e-5)
 
 
 ACCUM = [dict(accum=1, sync_each=True), dict(accum=2, sync_each=True), dict(accum=2, sync_each=False)]

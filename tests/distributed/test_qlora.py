@@ -11,14 +11,21 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tests.distributed.common import adamw, build_model, global_batch, num_targets, token_loss_sum, train_step
+from tests.distributed.common import (
+    adamw,
+    build_model,
+    global_batch,
+    num_targets,
+    policy_for,
+    token_loss_sum,
+    train_step,
+)
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_lora import LORA, lora_model, lora_policy
 from torch import nn
@@ -36,8 +43,9 @@ from shardtune.parallelize import materialize_adapters
 NUM_STEPS = 8
 
 
-def qlora_policy(model, **kw):
-    return dataclasses.replace(lora_policy(model, **kw), quantize_base=True)
+def qlora_policy(model, *, strategy: str = "full_shard", param_dtype=torch.float32):
+    """The product's QLoRA policy (lora.quantize_base=nf4)."""
+    return policy_for(model, strategy, world=dist.get_world_size(), param_dtype=param_dtype, lora="nf4")
 
 
 def block_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:

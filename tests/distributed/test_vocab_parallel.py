@@ -24,7 +24,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.bundled import CONFIGS_DIR
 from shardtune.engine import shard as shardtune_backend
-from shardtune.lora import is_adapter
 from shardtune.loss import token_loss_sum
 
 CHUNK = 5  # tokens per chunk: divides neither a rank's tokens nor the gathered ones
@@ -78,9 +77,7 @@ def _fsdp2_parity(name: str, mode: str) -> None:
 
     _, ref = _reference(name, mode)
     model = _model(name, mode)
-    policy = dataclasses.replace(policy_for(model, "full_shard", world=dist.get_world_size()), vocab_parallel=True)
-    if mode != "full":
-        policy = dataclasses.replace(policy, replicated=lambda n, p: is_adapter(n))
+    policy = policy_for(model, "full_shard", world=dist.get_world_size(), lora=None if mode == "full" else "lora")
     sharded = torch_backend.shard_model(model, policy, device=torch.device("cpu"))
     tables = [model.get_input_embeddings(), model.get_output_embeddings()]
     assert all(isinstance(m, FSDPModule) for m in tables) == (name == "tiny-llama")  # tied: one table, in the root
@@ -96,10 +93,9 @@ def _parity(name: str, mode: str, strategy: str = "full_shard", backend: str = "
     ref_model, ref = _reference(name, mode)
     model = _model(name, mode)
     world, rank = dist.get_world_size(), dist.get_rank()
-    policy = dataclasses.replace(policy_for(model, strategy, world=world), vocab_parallel=True, cpu_offload=offload)
-    if mode != "full":
-        policy = dataclasses.replace(policy, replicated=lambda n, p: is_adapter(n), quantize_base=mode == "qlora",
-                                     nf4_tile_bytes=4096 if mode == "qlora" else 0)
+    policy = policy_for(model, strategy, world=world, cpu_offload=offload, lora={"full": None, "lora": "lora", "qlora": "nf4"}[mode])
+    if mode == "qlora":  # tiles of 4 KiB: several per weight of the tiny model (the default 64 MB is one)
+        policy = dataclasses.replace(policy, nf4_tile_bytes=4096)
     sharded = shardtune_backend.shard_model(model, policy, device=torch.device("cpu"))
     tables = [f for f in sharded.units[-1].flats if f.local]
     assert len(tables) == (1 if name != "tiny-llama" else 2), "tied: one table; untied: embedding and head"
@@ -120,7 +116,9 @@ def _parity(name: str, mode: str, strategy: str = "full_shard", backend: str = "
     h = torch.randn(3, 2 + rank, ref_model.config.hidden_size, requires_grad=True)  # token counts differ per rank
     logits = head(h)
     want_logits = h @ ref_model.get_output_embeddings().weight.t()
-    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    # The trained rows track the reference's to ~1e-5 each (test_parity.py's final check); a logit sums H of them
+    # times N(0, 1) entries: ~sqrt(H)·1e-5.
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-4)
     (logits * torch.arange(VOCAB)).sum().backward()
     g = h.grad.clone()
     h.grad = None

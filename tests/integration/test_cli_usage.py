@@ -58,6 +58,13 @@ RECIPE_ERRORS: list[tuple[list[str], str]] = [
     (["slurm", "no-such-recipe", "--nodes", "1"], "no-such-recipe"),
     (["train", "tiny-cpu", "engine.strategy=everything"], "engine.strategy"),
     (["prepare", "tiny-cpu", "data.path=no-such-file.jsonl"], "no-such-file.jsonl"),
+    (["validate", "tiny-cpu", "engine.offload_activations=true"], "engine.offload_activations"),  # needs checkpointing
+    # mixtures of experts: a LoRA target that matches nothing, a router target, the balance loss without experts
+    (["validate", "tiny-moe-cpu", "lora.enabled=true", "lora.target_modules=[gate_proj]"], "lora.target_modules"),
+    (["train", "tiny-moe-cpu", "lora.enabled=true", "lora.target_modules=[q_proj,gate]"], "router"),
+    (["validate", "tiny-cpu", "train.router_aux_loss_coef=0.01"], "train.router_aux_loss_coef"),
+    (["validate", "tiny-moe-cpu", "lora.enabled=true", "train.objective=dpo", "data.format=preference",
+      "data.path=builtin:prefer-reverse", "train.demo_eval=false"], "train.objective=dpo"),
 ]
 
 COMMANDS = ["train", "validate", "plan", "slurm", "export", "recipes", "prepare"]

@@ -68,3 +68,38 @@ def test_chat_answers_each_piped_line(run_dir, answers):
 def test_generate_on_a_missing_or_foreign_folder_is_one_line(tmp_path):
     proc = cli("generate", str(tmp_path), "--prompt", "x", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "run directory" in proc.stderr, proc.stderr
+
+
+def test_generate_asks_a_foreign_folder_through_its_chat_template(tmp_path):
+    """A model folder with no run around it (downloaded, or exported elsewhere) and its own chat template: the prompt
+    and --system go through that template, and the reply stops at its end of turn; the same greedy tokens as
+    transformers' generate on the rendered chat, and not those of the raw prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.data.templates import CHAT_TEMPLATES
+    from tests.integration.test_model_folder import write_checkpoint
+
+    folder = tmp_path / "chat-model"
+    tok = write_checkpoint(folder)
+    tok.chat_template = CHAT_TEMPLATES["chatml"]
+    tok.save_pretrained(folder)
+    proc = cli("generate", str(folder), "--prompt", "reverse hello=", "--system", "answer briefly",
+               "--max-new-tokens", "12", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    def greedy(text: str) -> str:
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id, stop_strings=["<|im_end|>"], tokenizer=tok)
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split("<|im_end|>", 1)[0]
+
+    chat = tok.apply_chat_template([{"role": "system", "content": "answer briefly"},
+                                    {"role": "user", "content": "reverse hello="}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert proc.stdout.rstrip("\n") == greedy(chat)
+    assert greedy(chat) != greedy(tok.bos_token + "reverse hello=")  # the template changes the answer

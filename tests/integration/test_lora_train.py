@@ -3,6 +3,7 @@ activation checkpointing + CPU offload, 2 CPU workers): trains, checkpoints adap
 exactly, and `final/` and `shardtune export` are PEFT adapters that load with PeftModel.from_pretrained."""
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -59,6 +60,8 @@ def test_lora_export_and_final_are_peft_adapters(reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for folder in (out, reference / "final"):
         assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
+        # a random-init base exists on no disk: the adapter names none (not the architecture's config.json)
+        assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] is None
     ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base = base_model()(input_ids=ids).logits
@@ -87,6 +90,14 @@ def test_lora_over_pretrained_checkpoint_loads_sharded(tmp_path):
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
     torch.testing.assert_close(merged, tuned, rtol=0, atol=1e-5)
+    # the adapter names its real base (the folder it was trained over), and --merge takes the run's final/ too
+    adapter_config = json.loads((run_dir / "final" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(tmp_path / "pre")
+    proc = cli("export", str(run_dir / "final"), str(tmp_path / "merged-final"), "--merge", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with torch.no_grad():
+        from_final = AutoModelForCausalLM.from_pretrained(tmp_path / "merged-final").eval()(input_ids=ids).logits
+    torch.testing.assert_close(from_final, merged, rtol=0, atol=0)
 
 
 def test_export_merge_is_base_plus_adapter(reference, tmp_path):

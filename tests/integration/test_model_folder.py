@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from shardtune.config.load import load_recipe
@@ -20,6 +20,7 @@ def write_checkpoint(folder: Path) -> PreTrainedTokenizerFast:
     """A BPE tokenizer trained with `tokenizers` on a few lines, and a tiny Llama sized to it, saved as HF does."""
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()  # as GPT-2-style tokenizers ship: decode() gives text back
     corpus = [f"reverse {w}={w[::-1]}" for w in ("abcdef", "hello", "shardtune", "xyzzy", "qwerty")] * 20
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))

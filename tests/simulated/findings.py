@@ -105,6 +105,36 @@ def host_tensor_refused(out: str) -> None:
     assert t.item() == dist.get_world_size()
 
 
+def torch_offload_collectives(out: str) -> None:
+    """engine.backend=torch under cpu_offload: FSDP2's parameters and gradients are host DTensors on the device
+    mesh. The norm, the full state dict and the export (full_tensor) gather them on the device: DTensor's own
+    reductions would hand the device group a host tensor ("No backend type associated with device type cpu", as
+    NCCL says). FSDP2 shards a model built on meta and materialises the shards on the host (its deferred init);
+    no step (its offload copies each gradient to the host, which a meta tensor cannot give): the gradients are
+    what its step leaves, host DTensors like the parameters."""
+    import dataclasses
+
+    from torch.distributed.tensor import DTensor
+
+    from shardtune.engine import torch_backend
+
+    with torch.device(SIM):
+        model = build_model("tiny-llama")
+    policy = dataclasses.replace(policy_for(model, "full_shard", world=dist.get_world_size()), cpu_offload=True)
+    sharded = torch_backend.shard_model(model, policy, device=SIM)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.to_local().device.type == "cpu"
+        p.grad = torch.ones_like(p)
+    norm = sharded.clip_grad_norm_(1.0)
+    assert norm.device == SIM and norm.shape == ()
+    assert all(p.grad.to_local().device.type == "cpu" for p in model.parameters())  # clipped where FSDP2 keeps it
+    head = torch_backend.full_tensor(model.lm_head.weight)
+    assert head.device == SIM and head.shape == (model.config.vocab_size, model.config.hidden_size)
+    if dist.get_rank() != 0:  # rank 0 copies the gathered values to the host, which a meta tensor cannot give
+        assert list(sharded.full_state_dict()) == []
+
+
 def run_findings(base: str, names: list[str]) -> None:
     for name in names:
         out = str(Path(base) / name)

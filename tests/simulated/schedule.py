@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from shardtune import accelerator
 from shardtune.engine.api import BackwardSchedule
+from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.shard import shard_model
 from tests.distributed.common import build_model, policy_for, token_loss_sum
 
@@ -32,8 +34,10 @@ def _index(trace: list[tuple], pred) -> list[int]:
 
 def offload_copies_on_copy_stream() -> None:
     """Finding 4: offload's H2D copies, their casts and the all-gathers that read them go on the copy stream; the
-    compute stream waits on each gather's event, never on the whole copy stream."""
-    trace = _step("full_shard", cpu_offload=True, mixed_precision=dataclasses.replace(
+    compute stream waits on each gather's event, never on the whole copy stream. The units' copies, with the
+    tables in the root (engine.vocab_parallel=false): row-sharded tables are copied by vocab.py at their use, on the
+    compute stream, and their token all-gathers run there too."""
+    trace = _step("full_shard", cpu_offload=True, vocab_parallel=False, mixed_precision=dataclasses.replace(
         policy_for(build_model("tiny-llama"), "full_shard", world=2).mixed_precision, param_dtype=torch.bfloat16))
     copies = [e for e in trace if e[0] == "op" and e[2] in ("h2d", "cast")]
     gathers = [e for e in trace if e[0] == "op" and e[2] == "all_gather"]
@@ -68,8 +72,10 @@ def hybrid_all_reduce_on_its_stream() -> None:
     for that reduce-scatter); the compute stream waits for it before the next unit's reduce-scatter goes out (at
     most one reduction in flight, as FSDP2), and for all of them before clipping's norm all-reduce."""
     trace = _step("hybrid_shard", hybrid_shard_size=2)
-    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter")
-    ar = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and e[3])
+    # The units' gradients (the row-sharded tables' reduce-scatter activations, and their gradient is summed over
+    # the replicas at the end of backward: label "vocab")
+    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter" and e[3] != "vocab")
+    ar = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and e[3] not in ("", "vocab"))
     assert rs and len(ar) == len(rs)
     for i in rs:
         label = trace[i][3]
@@ -84,7 +90,7 @@ def hybrid_all_reduce_on_its_stream() -> None:
 def _each_reduction_waited_before_the_next(trace: list[tuple], wait_entry) -> None:
     """Every reduction's completion (`wait_entry(label)`, a compute-stream wait) comes before the next unit's
     reduce-scatter is issued, and every one before clipping's norm all-reduce."""
-    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter")
+    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter" and e[3] != "vocab")  # units' only
     norm = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and not e[3])
     assert len(rs) >= 4 and norm
     for i, j in zip(rs, [*rs[1:], min(norm)], strict=True):
@@ -128,6 +134,32 @@ def backward_overlaps_like_fsdp2() -> None:
     # apart.
     for wait, gather, next_rs in _backward_order(BackwardSchedule.STAGGERED):
         assert wait < gather < next_rs, (wait, gather, next_rs)
+
+
+def activation_offload_on_copy_stream() -> None:
+    """engine.offload_activations: each checkpointed unit's input goes D2H on the offload stream in forward and comes
+    back H2D on it ahead of its recompute; the compute stream waits on each fetch's event (recorded before the wait),
+    never on a whole stream, and the host never waits."""
+    model = build_model("tiny-llama")
+    policy = policy_for(model, "full_shard", world=dist.get_world_size())
+    offloader = ActivationOffloader(SIM)
+    units = len(apply_activation_checkpointing(model, policy.unit_classes, offloader=offloader))
+    sharded = shard_model(model, policy, device=SIM)
+    ids = torch.randint(3, 128, (1, 16), device=SIM)
+    accelerator.TRACE.clear()
+    token_loss_sum(sharded.module, ids, ids).backward()
+    trace = list(accelerator.TRACE.entries)
+    d2h = _index(trace, lambda e: e[0] == "op" and e[2] == "d2h" and e[3] == "activation")
+    h2d = _index(trace, lambda e: e[0] == "op" and e[2] == "h2d" and e[3] == "activation")
+    assert len(d2h) == len(h2d) == units and max(d2h) < min(h2d), (d2h, h2d)
+    assert {trace[i][1] for i in d2h + h2d} == {"activation-offload"}
+    fetched = {trace[i + 1][2]: i + 1 for i in h2d}  # the event recorded right after each H2D copy
+    assert all(trace[i][0] == "record" and trace[i][1] == "activation-offload" for i in fetched.values())
+    waits = {e[2]: i for i, e in enumerate(trace) if e[0] == "wait_event" and e[1] == "compute" and e[2] in fetched}
+    assert len(waits) == units and all(fetched[ev] < i for ev, i in waits.items())
+    assert offloader.num_fetched_ahead == units - 1  # every unit but the last-run one was fetched ahead
+    assert not [e for e in trace if e[0] == "wait_stream" and e[1] == "compute"], "compute waited on a stream"
+    assert not [e for e in trace if e[0] == "host_wait"], "the host waited"
 
 
 def run_checks(names: list[str]) -> None:

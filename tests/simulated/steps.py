@@ -18,6 +18,7 @@ BASE = ("data.num_samples=48", "data.seq_len=32", "data.eval_fraction=0.1", "tra
 LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8")
 
 # name -> recipe overrides. Strategy, precision, checkpointing, offload, LoRA/QLoRA and the torch backend.
+# hybrid_offload: full fine-tuning keeps the vocabulary tables' gradients on the host, summed over the replicas.
 SETTINGS = {
     "full_shard": (),
     "shard_grad_op": ("engine.strategy=shard_grad_op",),
@@ -30,6 +31,8 @@ SETTINGS = {
     "lora_offload": (*LORA, "engine.cpu_offload=true"),
     "qlora": (*LORA, "lora.quantize_base=nf4", "engine.mixed_precision=bf16"),
     "qlora_offload": (*LORA, "lora.quantize_base=nf4", "engine.cpu_offload=true"),
+    "torch": ("engine.backend=torch",),
+    "hybrid_offload": ("engine.strategy=hybrid_shard", "engine.hybrid_shard_size=2", "engine.cpu_offload=true"),
 }
 
 
@@ -59,9 +62,10 @@ def train_save_resume(name: str, out: str) -> None:
     run = build(out, SETTINGS[name])
     assert run.rt.device == accelerator.SIMULATED
     record = T.train_step(run, 0, None)
-    assert record["comm_bytes"] > 0 and record["step"] == 1
+    assert record["step"] == 1
     traced = [e for e in accelerator.TRACE.entries if e[0] == "op"]
     if run.recipe.engine.backend == "shardtune":  # our engine's collectives all ran on the simulated GPU
+        assert record["comm_bytes"] > 0  # FSDP2 counts none
         assert any(e[2] == "all_gather" for e in traced) or run.recipe.engine.strategy == "no_shard"
         assert any(e[2] in ("reduce_scatter", "all_reduce") for e in traced)
     T.save_checkpoint(run, 1)

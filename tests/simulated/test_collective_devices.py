@@ -20,6 +20,7 @@ ON_DEVICE = {
     ("engine/collectives.py", "all_reduce_"): "flat gradients, adapter buckets, the squared norm (compute device)",
     ("engine/collectives.py", "_post"): "gloo only: the in-place ring runs when the backend is gloo",
     ("engine/collectives.py", "all_to_all_into"): "vocab-parallel logits and their gradient (compute device)",
+    ("engine/torch_backend.py", "clip_grad_norm_"): "the squared norm, built with device=the model's device",
     ("engine/fingerprint.py", "check_same_on_all_ranks"): "checksums built with device=runtime device",
     ("runtime.py", "all_reduce_sum"): "built with device=runtime device",
     ("runtime.py", "all_reduce_max"): "built with device=runtime device",

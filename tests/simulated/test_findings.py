@@ -5,7 +5,8 @@ from __future__ import annotations
 from tests.simulated import findings
 from tests.simulated.harness import run_simulated
 
-NAMES = ["host_tensor_refused", "checkpoint_agreement", "offload_checkpoint_state", "fused_step_placement"]
+NAMES = ["host_tensor_refused", "checkpoint_agreement", "offload_checkpoint_state", "fused_step_placement",
+         "torch_offload_collectives"]
 
 
 def test_findings_1_to_3(tmp_path):

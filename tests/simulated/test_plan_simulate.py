@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(("recipe", "overrides", "world", "min_peak"), [
     ("recipes/hardware/llama-3.1-8b-lora-1x24gb.yaml", [], 1, 8.0e9 * 2),  # above the bf16 base alone
     ("recipes/tiny-lora-cpu.yaml", ["launch.device=cuda", "hardware.gpu=rtx4090-24gb"], 2, 1e6),
+    # PyTorch FSDP2 on the simulated GPU (its streams and events: shardtune/sim_device_module.py)
+    ("recipes/tiny-cpu.yaml", ["launch.device=cuda", "hardware.gpu=rtx4090-24gb", "engine.backend=torch"], 2, 1e6),
     # DPO: the held-out eval at DPO's start reads its sums through accelerator.to_host (zeros when simulated)
     ("recipes/hardware/llama-3.1-8b-dpo-lora-1x24gb.yaml", [], 1, 8.0e9 * 2),
 ])
@@ -43,3 +45,12 @@ def test_offloaded_host_agrees_with_the_plan() -> None:
     sim = json.loads(out.stdout)
     assert sim["simulated_host_bytes"] > 16 * 8.0e9 / 8  # shards, grads, AdamW of 8B over 8 ranks, at least
     assert abs(sim["simulated_host_bytes"] - sim["analytic_host_bytes"]) <= 0.01 * sim["analytic_host_bytes"], sim
+
+
+def test_fsdp2_offload_is_refused_in_one_line() -> None:
+    """FSDP2's offload copies each gradient to the host, which a meta tensor cannot give: refused, not a traceback."""
+    out = cli("plan", "recipes/tiny-lora-cpu.yaml", "launch.device=cuda", "engine.backend=torch",
+              "engine.cpu_offload=true", "--simulate", cwd=REPO, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "engine.cpu_offload=true with engine.backend=torch" in lines[0], out.stderr

@@ -10,8 +10,8 @@ from tests.simulated import steps
 from tests.simulated.harness import run_simulated
 
 GROUPS = {  # 2 ranks: the cheap start, most settings; 4 and 8: the strategies whose groups depend on the world
-    2: ["full_shard", "offload", "offload_bf16_accum", "lora", "lora_offload", "qlora", "qlora_offload"],
-    4: ["shard_grad_op", "hybrid", "bf16_ac"],
+    2: ["full_shard", "offload", "offload_bf16_accum", "lora", "lora_offload", "qlora", "qlora_offload", "torch"],
+    4: ["shard_grad_op", "hybrid", "bf16_ac", "hybrid_offload"],
     8: ["no_shard", "hybrid"],
 }
 

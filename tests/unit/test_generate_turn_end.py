@@ -8,6 +8,7 @@ import pytest
 from shardtune.config.load import load_recipe
 from shardtune.generate import Loaded, Sampling, complete, render, turn_end
 from shardtune.model import build_model, build_tokenizer
+from shardtune.prompt_style import PromptStyle
 
 
 def loaded(fmt: str, template: str) -> Loaded:
@@ -44,6 +45,6 @@ def test_a_chat_reply_is_cut_at_the_turn_end():
     out = run.model.generate(**run.tok(text, return_tensors="pt", add_special_tokens=False), max_new_tokens=30,
                              stop_strings=["<|im_end|>"], tokenizer=run.tok, pad_token_id=run.tok.pad_token_id)
     assert out.shape[1] - start == len(run.tok("ok<|im_end|>", add_special_tokens=False)["input_ids"])  # stopped
-    run.recipe = None  # not a chat run: no turn end, the whole forced text up to max_new_tokens
+    run.style = PromptStyle("text")  # not a chat model: no turn end, all the forced text
     assert complete(run, text, Sampling(max_new_tokens=30)).startswith("ok<|im_end|>\nmore")
     assert torch.is_tensor(out)

@@ -16,9 +16,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _requirements(*, oldest: bool = False) -> dict[str, Requirement]:
-    """Every direct requirement; `oldest`: those `make test-oldest` installs (not the `trl` extra, see pyproject)."""
+    """Every direct requirement; `oldest`: those `make test-oldest` installs ('.[dev]': not the trl, wandb and mlflow
+    extras, see pyproject)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    extras = {k: v for k, v in project["optional-dependencies"].items() if not (oldest and k == "trl")}
+    extras = {k: v for k, v in project["optional-dependencies"].items()
+              if not (oldest and k in ("trl", "wandb", "mlflow"))}
     reqs = [*project["dependencies"], *(r for extra in extras.values() for r in extra)]
     return {_canonical(r.name): r for r in map(Requirement, reqs)}
 

@@ -152,6 +152,6 @@ def test_hybrid_shard_defaults_to_one_node(monkeypatch):
     recipe = load_recipe("tiny-cpu", ["engine.strategy=hybrid_shard"])
     model = build_model(recipe.model, seed=0, device=torch.device("cpu"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 ranks on this node, world of 4 = 2 nodes
-    assert sharding_policy(recipe.engine, model, world_size=4).hybrid_shard_size == 2
+    assert sharding_policy(recipe, model, world_size=4).hybrid_shard_size == 2
     explicit = load_recipe("tiny-cpu", ["engine.strategy=hybrid_shard", "engine.hybrid_shard_size=4"])
-    assert sharding_policy(explicit.engine, model, world_size=4).hybrid_shard_size == 4
+    assert sharding_policy(explicit, model, world_size=4).hybrid_shard_size == 4

@@ -5,6 +5,9 @@ W + (alpha/r) * B @ A in fp32, is cast back to the base's dtype and appended to 
 written once it reaches `max_shard_bytes`. Peak memory: about one output file plus the adapters (small), never the
 whole model. A random-init base (a run with model.init=random) exists on no disk: it is rebuilt from the run's
 seed, whole (such bases are the small ones of demos and tests).
+
+The adapters come from a sharded checkpoint (`checkpoints/step_N`) or from a run's `final/` (a PEFT adapter folder);
+either way the run's recipe.yaml says which base they were trained over.
 """
 from __future__ import annotations
 
@@ -20,33 +23,57 @@ import torch
 from shardtune.checkpoint.paths import TRAINER_FILE
 from shardtune.checkpoint.writer import write_safetensors
 from shardtune.errors import UserError
+from shardtune.hub import WEIGHTS, model_dir
 from shardtune.loading import CheckpointFiles, checkpoint_key
+from shardtune.lora import ADAPTER_WEIGHTS
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    return (folder / "adapter_config.json").is_file() and (folder / ADAPTER_WEIGHTS).is_file()
 
 
 def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
                      progress: Callable[[int, int, str], None] | None = None) -> list[Path]:
+    """`ckpt`: a LoRA run's checkpoint, or its final/ adapter folder."""
     from peft import LoraConfig
 
     from shardtune.checkpoint.consolidate import adapter_tensors
 
-    info = json.loads((ckpt / TRAINER_FILE).read_text())
-    if not info.get("lora"):
+    final = is_adapter_folder(ckpt)
+    if not final and not json.loads((ckpt / TRAINER_FILE).read_text()).get("lora"):
         raise UserError(f"export --merge: '{ckpt}' is a full fine-tune, not a LoRA run: export it without --merge")
-    config = LoraConfig.from_pretrained(str(ckpt / "hf"))
+    hf = ckpt if final else ckpt / "hf"
+    config = LoraConfig.from_pretrained(str(hf))
     if getattr(config, "use_rslora", False):
         raise UserError("export --merge: rsLoRA adapters are not supported: export the adapter without --merge")
     scale = config.lora_alpha / config.r
-    adapters = adapter_tensors(ckpt)  # {our name: tensor}
-    deltas = _deltas(adapters)
-    recipe = _run_recipe(ckpt)
+    if final and getattr(config, "target_parameters", None):
+        # final/ holds expert adapters in peft's target_parameters layout; the checkpoint holds ours, whose storage
+        # order the merge knows (experts.merge_factors)
+        raise UserError(f"export --merge: '{ckpt}' adapts MoE expert weights: merge from the run's checkpoint "
+                        "(checkpoints/latest) instead of final/")
+    adapters = _peft_tensors(ckpt) if final else adapter_tensors(ckpt)  # {parameter name: tensor}
+    recipe = _run_recipe(ckpt.parent if final else ckpt.parent.parent)
+    deltas = _deltas(adapters) | _expert_deltas(adapters, recipe)
     with ExitStack() as stack:
         written = write_safetensors(_merged(_base_tensors(recipe, stack), deltas, scale), out,
                                     max_shard_bytes=max_shard_bytes, progress=progress)
-    for p in (ckpt / "hf").iterdir():
-        if p.name not in ("params.json", "adapter_config.json"):
-            shutil.copy(p, out / p.name)  # config.json and the tokenizer
+    for p in hf.iterdir():
+        if p.is_file() and p.name not in ("params.json", "adapter_config.json", ADAPTER_WEIGHTS):
+            shutil.copy(p, out / p.name)  # the tokenizer (and a checkpoint's config.json)
+    if final:  # an adapter folder holds no config.json: the base's
+        from shardtune.model import load_config
+
+        load_config(recipe.model).save_pretrained(out)
     _generation_config(out)
     return written
+
+
+def _peft_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """A PEFT adapter file's tensors by module name (`base_model.model.` dropped: `...q_proj.lora_A.weight`)."""
+    from safetensors.torch import load_file
+
+    return {k.removeprefix("base_model.model."): t for k, t in load_file(str(folder / ADAPTER_WEIGHTS)).items()}
 
 
 def _deltas(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -61,20 +88,34 @@ def _deltas(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
-def _run_recipe(ckpt: Path):  # -> Recipe
+def _expert_deltas(adapters: dict[str, torch.Tensor], recipe) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-expert adapters of fused 3-D expert weights (experts.py); the meta model says their storage order."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.experts import merge_factors
+    from shardtune.loading import build_empty
+    from shardtune.model import load_config
+
+    if not any(name.endswith(".lora_A") for name in adapters):
+        return {}
+    model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
+    return {checkpoint_key(k): v for k, v in merge_factors(adapters, model).items()}
+
+
+def _run_recipe(run_dir: Path):  # -> Recipe
     from shardtune.config.load import load_recipe
 
-    recipe_file = ckpt.parent.parent / "recipe.yaml"
+    recipe_file = run_dir / "recipe.yaml"
     if not recipe_file.is_file():
-        raise UserError(f"export --merge: no recipe.yaml in the run directory '{ckpt.parent.parent}': the base model "
-                        "is unknown; merge from a checkpoint inside its run directory")
+        raise UserError(f"export --merge: no recipe.yaml in the run directory '{run_dir}': the base model "
+                        "is unknown; merge from a checkpoint or final/ inside its run directory")
     return load_recipe(recipe_file)
 
 
 def _base_tensors(recipe, stack: ExitStack) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
     """(key, bytes, read) for every base weight, in file order; `read` loads that one tensor."""
     if recipe.model.init == "pretrained":
-        files = stack.enter_context(CheckpointFiles(Path(recipe.model.path)))
+        files = stack.enter_context(CheckpointFiles(model_dir(recipe.model.path, WEIGHTS)))
         for key in files.files:
             sl = files.handle(key).get_slice(key)
             itemsize = {"F32": 4, "BF16": 2, "F16": 2}.get(sl.get_dtype(), 4)

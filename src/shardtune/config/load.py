@@ -20,6 +20,7 @@ from shardtune.bundled import DATA_DIR, RECIPES_DIR
 from shardtune.config.model_folder import apply_model_folder
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
+from shardtune.hub import is_hub_id
 
 # Keys that name files; relative values resolve against the cwd, then the recipe's folder, then the bundled data
 # (so `configs/models/llama-3.1-8b.json` names a shipped config from any recipe, anywhere).
@@ -119,6 +120,8 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
         p = Path(str(value)).expanduser()
         candidates = [p] if p.is_absolute() else [Path.cwd() / p, recipe_dir / p, DATA_DIR / p]
         found = next((c for c in candidates if c.exists()), None)
+        if found is None and key == "model.path" and is_hub_id(value):
+            continue  # a Hugging Face repo id (hub.py): fetched into the HF cache where it is needed
         if found is None:
             raise UserError(f"{key}: file or folder '{value}' does not exist: fix the path (relative paths are "
                             f"tried against the cwd, the recipe's folder and shardtune's bundled {DATA_DIR})")

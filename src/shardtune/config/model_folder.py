@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from shardtune.errors import UserError
+from shardtune.hub import CONFIG, is_hub_id, model_dir
 
 # Any of these in a folder means it carries its own tokenizer (fast, sentencepiece or GPT-2-style files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -26,7 +27,8 @@ def apply_model_folder(cfg: DictConfig, overrides: list[str]) -> None:
     path = OmegaConf.select(cfg, "model.path")
     if path is None:
         return
-    folder = Path(str(path))
+    hub = is_hub_id(path)  # a Hub repo: its config.json only here (plan needs no more); a repo has its tokenizer
+    folder = model_dir(str(path), CONFIG) if hub else Path(str(path))
     given = override_keys(overrides)
     from_cli = "model.path" in given
     has_config = (folder / "config.json").is_file()
@@ -41,7 +43,7 @@ def apply_model_folder(cfg: DictConfig, overrides: list[str]) -> None:
         _require_config(path, has_config)
     tokenizer = OmegaConf.select(cfg, "model.tokenizer")
     if from_cli and tokenizer is not None and "model.tokenizer" not in given:
-        if any((folder / f).is_file() for f in TOKENIZER_FILES):
+        if hub or any((folder / f).is_file() for f in TOKENIZER_FILES):
             _notice(f"model.path={path} brings its own tokenizer: it wins over the recipe's "
                     f"model.tokenizer={tokenizer} (give model.tokenizer=... on the command line to keep that one)")
             OmegaConf.update(cfg, "model.tokenizer", None)

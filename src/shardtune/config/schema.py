@@ -50,7 +50,9 @@ class LoraConfig:
     r: int = 16  # adapter rank: memory and capacity grow with it
     alpha: int = 32  # scale = alpha / r
     dropout: float = 0.0  # dropout on the adapters' input during training
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # module names that get adapters
+    # module names that get adapters (Linear modules by their last name part); `experts` = every fused expert weight
+    # of a mixture of experts (per expert); auto = q_proj, v_proj, plus the experts when the model has them
+    target_modules: list[str] = field(default_factory=lambda: ["auto"])
     # nf4 = QLoRA: the frozen Linear weights of the decoder blocks (LoRA-targeted or not) are stored, sharded and
     # all-gathered in 4-bit NF4 (~0.52 B/weight vs 2: ~3.9x less base memory and all-gather traffic), dequantized
     # per matmul (+1 bf16 weight temporary, ~+10-30% step time); embeddings, norms and lm_head stay in
@@ -92,6 +94,13 @@ class EngineConfig:
     # adapters (reduce-scatter, step, all-gather: the all-reduce's bytes); the adapters' values stay whole on every
     # rank. -12·N·(W-1)/W bytes per rank for N adapter params. false: every rank steps every adapter (all-reduce).
     shard_adapter_states: bool = True
+    # The inputs activation checkpointing keeps go to pinned host memory during forward and come back ahead of each
+    # unit's recompute (engine/offload_activations.py): -b·s·h per checkpointed unit on the device, the same bytes
+    # on the host and twice over PCIe (overlapped). Needs engine.activation_checkpointing.
+    offload_activations: bool = False
+    # Each decoder block's MLP runs over chunks of this many tokens of the micro-batch (tiled_mlp.py): its b·s·i
+    # intermediates exist one chunk at a time, for one more MLP forward per step. 0 = off (the whole sequence).
+    mlp_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")
@@ -105,6 +114,10 @@ class EngineConfig:
         ac = self.activation_checkpointing
         _check(isinstance(ac, (bool, int)) and (isinstance(ac, bool) or ac >= 1), "engine.activation_checkpointing",
                f"must be true, false or an integer k >= 1 (every k-th unit), got {ac!r}")
+        _check(not self.offload_activations or ac is not False, "engine.offload_activations",
+               "offloads what activation checkpointing keeps: set engine.activation_checkpointing=true too")
+        _check(isinstance(self.mlp_chunk_tokens, int) and self.mlp_chunk_tokens >= 0, "engine.mlp_chunk_tokens",
+               f"must be an integer >= 0 (0: off), got {self.mlp_chunk_tokens!r}")
         w = self.wrap
         _check(w == "auto" or (isinstance(w, (list, tuple)) and all(isinstance(x, str) for x in w)) or
                (isinstance(w, int) and not isinstance(w, bool) and w > 0),
@@ -143,6 +156,10 @@ class DataConfig:
     train_on_inputs: bool = False  # also take the loss on prompts / user turns (default: responses only)
     seq_len: int = 512  # tokens per sample after packing/padding
     packing: bool = True  # concatenate documents to seq_len (position ids reset per document); never for preference pairs
+    # Documents longer than seq_len: truncate (keep the first seq_len tokens) | split (keep every token: seq_len
+    # pieces, each starting at the previous piece's last token, which it reads as context but is not trained on
+    # again; packed rows take a document's pieces in order). Preference pairs are always truncated (preference.py).
+    long_docs: str = "truncate"
     eval_fraction: float = 0.05  # held-out share of the data for eval_loss
     num_samples: int = 2000  # size of a generated builtin:* dataset
     cache_dir: str | None = None  # tokenized Arrow cache, shared by ranks and runs (default: <output_dir>/data_cache)
@@ -154,6 +171,11 @@ class DataConfig:
 
         check_data_config(self)
         _check(self.seq_len >= 8, "data.seq_len", f"must be >= 8, got {self.seq_len}")
+        _check(self.long_docs in ("truncate", "split"), "data.long_docs",
+               f"must be truncate or split, got {self.long_docs!r}")
+        _check(self.long_docs == "truncate" or self.format != "preference", "data.long_docs",
+               "split does not apply to preference pairs (each pair is one prompt and two responses, truncated as "
+               "DPO needs): set data.long_docs=truncate")
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
         _check(self.num_samples >= 1, "data.num_samples", f"must be >= 1, got {self.num_samples}")
         _check(self.num_proc >= 0, "data.num_proc", f"must be >= 0 (0: auto), got {self.num_proc}")
@@ -188,6 +210,10 @@ class TrainConfig:
     # every step instead. metrics.jsonl always has every step.
     log_every: int = 20
     profile_memory: bool = False  # CPU: peak live tensor bytes; CUDA: max_memory_allocated
+    # Where rank 0 logs the metrics.jsonl records besides: tensorboard | wandb | mlflow, a list or one name (wandb
+    # and mlflow are extras: pip install 'shardtune[wandb]'); the recipe is the tracker run's config, and a resumed
+    # run continues the same tracker run. [] = metrics.jsonl only.
+    report_to: Any = field(default_factory=lambda: ["tensorboard"])
     demo_eval: bool = False  # held-out exact-match accuracy before and after (format=instruction; else skipped)
     demo_eval_samples: int = 64  # held-out prompts decoded by demo_eval
     save_final: bool = True  # write final/ (HF format, or a PEFT adapter with LoRA)
@@ -197,9 +223,18 @@ class TrainConfig:
     # Tokens per chunk of the fused head projection + cross-entropy (loss.py): only C*V logits ever exist instead of
     # b*s*V (compute dtype + fp32 + fp32 gradient). 0 = off: today's path, full logits.
     loss_chunk_tokens: int = 1024
+    # Mixtures of experts: weight of the routers' load-balancing loss (router_loss.py: per packed row, so data
+    # parallelism stays exact), added to the SFT loss. 0 = off (the models' own config value is not used).
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.objective in ("sft", "dpo"), "train.objective", f"must be sft or dpo, got {self.objective!r}")
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        known = ("tensorboard", "wandb", "mlflow")
+        _check(isinstance(self.report_to, (list, tuple)) and all(t in known for t in self.report_to),
+               "train.report_to", f"must be a list of tensorboard, wandb, mlflow, got {self.report_to!r}")
+        self.report_to = list(dict.fromkeys(self.report_to))
         _check(self.max_steps is None or self.epochs is None, "train.epochs",
                f"and train.max_steps are both set ({self.epochs} and {self.max_steps}): keep one, set the other to null")
         if self.epochs is None and self.max_steps is None:
@@ -211,7 +246,7 @@ class TrainConfig:
         for key in ("micro_batch_size", "grad_accum", "log_every", "eval_batches", "demo_eval_samples"):
             _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "keep_last",
-                    "skip_nonfinite", "loss_chunk_tokens"):
+                    "skip_nonfinite", "loss_chunk_tokens", "router_aux_loss_coef"):
             _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _check(self.schedule in ("cosine", "linear", "constant"), "train.schedule",

@@ -8,14 +8,14 @@ it locally: all ranks index the same rows), which makes the summed gradient equa
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from shardtune.accelerator import to_device
+from shardtune.attention import DocLengths, doc_lengths
 from shardtune.data.formats import IGNORE
 
 
@@ -32,13 +32,13 @@ class MicroBatch:
     input_ids: torch.Tensor  # [b, seq_len] int64
     labels: torch.Tensor  # [b, seq_len] int64
     position_ids: torch.Tensor  # [b, seq_len] int64
+    # each row's document lengths, read from the host position ids (attention.py: no device sync to find them)
+    doc_lengths: DocLengths | None = field(default=None, kw_only=True)
 
     def to(self, device: torch.device) -> MicroBatch:
         """On the device without a host sync (pinned, non-blocking: accelerator.to_device)."""
-        return dataclasses.replace(self, **{k: to_device(getattr(self, k), device) for k in TENSOR_FIELDS})
-
-
-TENSOR_FIELDS = ("input_ids", "labels", "position_ids")
+        return replace(self, input_ids=to_device(self.input_ids, device), labels=to_device(self.labels, device),
+                       position_ids=to_device(self.position_ids, device))
 
 
 def num_targets(labels: torch.Tensor | np.ndarray) -> int:
@@ -86,5 +86,6 @@ class GlobalBatches:
         micro = []
         for a in range(self.accum):
             sel = slice((a * self.world + rank) * self.b, (a * self.world + rank + 1) * self.b)
-            micro.append(MicroBatch(*(torch.from_numpy(np.ascontiguousarray(x[sel])) for x in (ids, labels, pos))))
+            micro.append(MicroBatch(*(torch.from_numpy(np.ascontiguousarray(x[sel])) for x in (ids, labels, pos)),
+                                    doc_lengths=doc_lengths(pos[sel])))
         return micro, total

@@ -37,6 +37,7 @@ EVAL_RAW_KEEP = 1024  # raw held-out rows kept for the demo's exact-match check 
 PIECE_ROWS = 100_000  # rows per map() call: the progress bar moves once per piece
 BATCH_ROWS = 1000  # rows per tokenizer call
 PARALLEL_MIN_ROWS = 20_000  # below this a process pool costs more than it saves
+MAX_DOC_TOKENS = 2**31 - 1  # data.long_docs=split stores documents whole (Arrow's int32 list offsets)
 HIST_EDGES = (0.125, 0.25, 0.5, 1.0)  # document length histogram bins, as fractions of seq_len
 
 
@@ -68,15 +69,22 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     length = int_column(docs, "length")  # before truncation
     targets = int_column(docs, "num_targets")
     kept = np.minimum(length, cfg.seq_len)
+    split_docs = cfg.long_docs == "split"
 
     stats: dict[str, Any] = {}
     for split, ids in (("train", train_ids), ("eval", eval_ids)):
         ids = ids[kept[ids] > 0]  # rows with nothing to learn (a chat without an assistant turn) are dropped
-        offsets = layout_rows(kept[ids], cfg.seq_len, cfg.packing)
-        np.save(tmp / f"{split}_docs.npy", ids.astype(np.int64 if n >= 2**31 else np.int32))
+        docs_of, starts, sizes = split_pieces(ids, length, cfg.seq_len) if split_docs else (ids, None, kept[ids])
+        offsets = layout_rows(sizes, cfg.seq_len, cfg.packing)
+        np.save(tmp / f"{split}_docs.npy", docs_of.astype(np.int64 if n >= 2**31 else np.int32))
         np.save(tmp / f"{split}_rows.npy", offsets)
-        stats[split] = {"rows": len(offsets) - 1, "documents": len(ids), "tokens": int(kept[ids].sum()),
-                        "target_tokens": int(targets[ids].sum()), "truncated": int((length[ids] > cfg.seq_len).sum())}
+        if starts is not None:
+            np.save(tmp / f"{split}_starts.npy", starts)
+        longer = int((length[ids] > cfg.seq_len).sum())
+        stats[split] = {"rows": len(offsets) - 1, "documents": len(ids), "tokens": int(sizes.sum()),
+                        "target_tokens": int(targets[ids].sum()), "truncated": 0 if split_docs else longer}
+        if split_docs:
+            stats[split].update(split=longer, pieces=len(docs_of))
     train = stats["train"]
     if train["rows"] == 0:
         why = " (no row has an assistant turn)" if cfg.format == "chat" else ""
@@ -94,7 +102,7 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     shutil.rmtree(tmp / "raw", ignore_errors=True)  # datasets' own Arrow copy of the input files
     return {"files": files, "token_dtype": dtype, "seq_len": cfg.seq_len, "packing": cfg.packing,
             "pad_id": tok.pad_token_id if tok.pad_token_id is not None else 0, "source_rows": n,
-            "num_eval_raw": int(num_eval), "stats": stats, "histogram": length_histogram(length, cfg.seq_len),
+            "num_eval_raw": int(num_eval), "stats": stats, "long_docs": cfg.long_docs, "histogram": length_histogram(length, cfg.seq_len),
             "data": {k: getattr(cfg, k) for k in ENTRY_KEYS}}  # the resolved fields (demo, report)
 
 
@@ -197,6 +205,21 @@ def layout_rows(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:
     return np.asarray(starts, dtype=np.int64)
 
 
+def split_pieces(ids: np.ndarray, length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """data.long_docs=split: each document as pieces of at most seq_len tokens, in order. Piece k starts at token
+    k * (seq_len - 1): its first token is the previous piece's last, read as context (its label is masked, as every
+    row-start's is) so that every token but the document's first is a target exactly once, as when the document
+    fits. Returns (document id, first token, length) per piece."""
+    n = length[ids]
+    stride = seq_len - 1
+    count = np.where(n <= seq_len, 1, -(-(n - 1) // stride))  # pieces: ceil((n - 1) / stride) for long ones
+    docs_of = np.repeat(ids, count)
+    first = np.repeat(np.cumsum(count) - count, count)  # index of each document's first piece
+    starts = (np.arange(len(docs_of)) - first) * stride
+    sizes = np.minimum(np.repeat(n, count) - starts, seq_len)
+    return docs_of, starts.astype(np.int64), sizes
+
+
 def truncated_counts(stats: dict[str, Any]) -> str:
     """"76 (train 70, eval 6)": the same words in `prepare`'s report and in the warning."""
     train, ev = stats["train"]["truncated"], stats["eval"]["truncated"]
@@ -214,7 +237,8 @@ def _encode_for_cache(batch: dict[str, list[Any]], *, cfg: DataConfig, tok: PreT
     """One batch of rows -> an Arrow table, built from flat numpy arrays (a Python list per row would cost more
     than the tokenizer). Labels are the ids or IGNORE, so a boolean `target` stores them; the first token of a
     document is never a target (no prediction across a packing boundary). Documents are cut to seq_len here."""
-    return docs_table(encode_batch(batch, cfg, tok), seq_len=cfg.seq_len, dtype=dtype)
+    keep = cfg.seq_len if cfg.long_docs == "truncate" else MAX_DOC_TOKENS  # split: whole documents (rows.py cuts)
+    return docs_table(encode_batch(batch, cfg, tok), seq_len=keep, dtype=dtype)
 
 
 def docs_table(docs: list[tuple[list[int], list[int]]], *, seq_len: int, dtype: str) -> pa.Table:

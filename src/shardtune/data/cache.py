@@ -76,7 +76,9 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
 def cache_key(cfg: DataConfig, tok: PreTrainedTokenizerBase, seed: int) -> str:
     fields = {"version": CACHE_VERSION, "source": source_fingerprint(cfg, seed), "tokenizer": tokenizer_fingerprint(tok),
               "format": cfg.format, "fields": {k: getattr(cfg, k) for k in ENTRY_KEYS},
-              "seq_len": cfg.seq_len, "packing": cfg.packing, "eval_fraction": cfg.eval_fraction, "seed": seed}
+              "seq_len": cfg.seq_len, "packing": cfg.packing, "eval_fraction": cfg.eval_fraction, "seed": seed,
+              # only when not the default: the caches built before this key keep their keys
+              **({"long_docs": cfg.long_docs} if cfg.long_docs != "truncate" else {})}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -95,6 +95,8 @@ def _row_problems(cfg: DataConfig, sample: Sample, where: str) -> list[str]:
     count: dict[tuple[str, str], int] = {}
     for n, row in sample.rows:
         for key in fmt.required:
+            if not getattr(cfg, key):  # a TRL layout without this column (fields.py)
+                continue
             bad = _bad_value(cfg, key, row.get(getattr(cfg, key)))
             if bad:
                 first.setdefault((key, bad), n)

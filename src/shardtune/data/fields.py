@@ -39,9 +39,25 @@ def resolve_fields(cfg: DataConfig, columns: list[str], *, where: str | None = N
             missing.append(key)
         else:
             found[key] = ""
+    missing = _trl_layouts(cfg, missing, columns, found)
     if missing:
         raise UserError(missing_columns_message(cfg, missing, columns, where))
     return replace(cfg, **found) if found else cfg
+
+
+def _trl_layouts(cfg: DataConfig, missing: list[str], columns: list[str], found: dict[str, str]) -> list[str]:
+    """TRL's two layouts without the usual column, marked by an empty field key (formats.py reads them):
+    chat rows {prompt: [messages], completion: [messages]} (messages_field ""), and preference rows whose chosen and
+    rejected are whole conversations with no prompt column (prompt_field "": their shared opening is the prompt)."""
+    if cfg.format == "chat" and missing == ["messages_field"] and cfg.messages_field == _DEFAULTS["messages_field"]:
+        response = next((c for c in (cfg.response_field, "completion") if c in columns), None)
+        if cfg.prompt_field in columns and response is not None:
+            found.update(messages_field="", response_field=response)
+            return []
+    if cfg.format == "preference" and missing == ["prompt_field"] and cfg.prompt_field == _DEFAULTS["prompt_field"]:
+        found["prompt_field"] = ""
+        return []
+    return missing
 
 
 def missing_columns_message(cfg: DataConfig, missing: list[str], columns: list[str], where: str) -> str:

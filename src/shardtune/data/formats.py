@@ -7,6 +7,7 @@ resolved (`fields.resolve_fields`): the DataConfig names columns that exist.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,18 @@ from shardtune.data.templates import render_prompt
 from shardtune.errors import UserError
 
 IGNORE = -100
+
+
+class _NoLengthWarning(logging.Filter):
+    """transformers warns when a tokenized text is longer than the tokenizer's model_max_length ("Token indices
+    sequence length is longer than..."): shardtune truncates or splits every document to data.seq_len itself
+    (data.long_docs), and validate checks seq_len against the model, so the warning only misleads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer than")
+
+
+logging.getLogger("transformers.tokenization_utils_base").addFilter(_NoLengthWarning())
 Encoded = list[tuple[list[int], list[int]]]  # per row: (input ids, labels)
 
 # ShareGPT's speaker names -> OpenAI roles (the names seen in the wild: human/gpt, user/assistant, system).
@@ -72,7 +85,13 @@ def encode_instruction(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTra
 
 
 def encode_chat(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> Encoded:
-    """Rendered with the tokenizer's chat template (or model.chat_template), row by row."""
+    """Rendered with the tokenizer's chat template (or model.chat_template), row by row. Rows in TRL's
+    conversational prompt/completion layout (fields.py leaves messages_field empty for them) take the loss on the
+    completion's tokens only, whatever roles the prompt holds."""
+    if not cfg.messages_field:
+        return [_encode_prompt_completion(to_messages(p, cfg.chat_style), to_messages(c, cfg.chat_style), tok,
+                                          train_on_inputs=cfg.train_on_inputs)
+                for p, c in zip(batch[cfg.prompt_field], batch[cfg.response_field])]
     return [_encode_chat(to_messages(m, cfg.chat_style), tok, train_on_inputs=cfg.train_on_inputs)
             for m in batch[cfg.messages_field]]
 
@@ -84,7 +103,8 @@ def encode_preference(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrai
     from shardtune.data.preference import encode_pair, truncate_pair
 
     out: Encoded = []
-    for row in zip(batch[cfg.prompt_field], batch[cfg.chosen_field], batch[cfg.rejected_field]):
+    prompts = batch[cfg.prompt_field] if cfg.prompt_field else [None] * len(batch[cfg.chosen_field])
+    for row in zip(prompts, batch[cfg.chosen_field], batch[cfg.rejected_field]):
         values = dict(zip((cfg.prompt_field, cfg.chosen_field, cfg.rejected_field), row))
         p, c, r, _ = truncate_pair(*encode_pair(values, cfg, tok), cfg.seq_len)
         out += [(p + resp, [IGNORE] * len(p) + resp) for resp in (c, r)]
@@ -160,6 +180,22 @@ def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase, *
     if not ids:  # no assistant turn: nothing to learn from this row
         return [], []
     return ids, list(ids) if train_on_inputs else labels
+
+
+def _encode_prompt_completion(prompt: list[dict[str, str]], completion: list[dict[str, str]],
+                              tok: PreTrainedTokenizerBase, *, train_on_inputs: bool = False
+                              ) -> tuple[list[int], list[int]]:
+    """The prompt rendered with the generation prompt, then prompt + completion: the tokens after the first
+    rendering are the targets (as TRL's SFTTrainer builds its completion mask)."""
+    if not tok.chat_template:
+        raise UserError("data.format=chat: the tokenizer has no chat template: set model.chat_template=chatml (or "
+                        "plain, or a Jinja string)")
+    before = _as_ids(tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+    ids = _as_ids(tok.apply_chat_template(prompt + completion, tokenize=True))
+    if ids[: len(before)] != before:
+        raise UserError("data.format=chat: the chat template does not render the completion after the prompt as a "
+                        "prefix: set model.chat_template=chatml")
+    return ids, list(ids) if train_on_inputs else [IGNORE] * len(before) + ids[len(before):]
 
 
 def _as_ids(x: Any) -> list[int]:

@@ -52,6 +52,20 @@ def truncate_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq
     return prompt[len(prompt) - keep :], chosen[:budget], rejected[:budget], True
 
 
+def split_shared_prompt(chosen: Any, rejected: Any) -> tuple[list[Any], list[Any], list[Any]]:
+    """TRL's implicit prompt: chosen and rejected are two conversations; the turns they open with in common are
+    the prompt, the rest of each its response (as trl.extract_prompt splits them)."""
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise UserError("data.format=preference: rows without a prompt column need chosen and rejected as "
+                        "conversations (message lists) sharing their opening turns: add a prompt column "
+                        "(data.prompt_field) for text values")
+    shared = next((i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r), min(len(chosen), len(rejected)))
+    if shared == 0:
+        raise UserError("data.format=preference: a row's chosen and rejected conversations share no opening turn, "
+                        "so no prompt can be taken from them: add a prompt column (data.prompt_field)")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
 def _text_ids(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
@@ -59,7 +73,10 @@ def _text_ids(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
 def encode_pair(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBase
                 ) -> tuple[list[int], list[int], list[int]]:
     """One row -> (prompt ids, chosen ids, rejected ids), untruncated."""
-    prompt, chosen, rejected = row[cfg.prompt_field], row[cfg.chosen_field], row[cfg.rejected_field]
+    chosen, rejected = row[cfg.chosen_field], row[cfg.rejected_field]
+    prompt = row[cfg.prompt_field] if cfg.prompt_field else None
+    if not cfg.prompt_field:
+        prompt, chosen, rejected = split_shared_prompt(chosen, rejected)
     if isinstance(prompt, list):  # chat: the responses are the assistant turn(s) after the prompt's messages
         if not tok.chat_template:
             raise UserError("data.format=preference: message-list rows need a tokenizer with a chat template: "
@@ -92,7 +109,7 @@ def _encode(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase) -> _Encoded
     for i in range(len(raw)):
         row = raw[i]
         for key in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field):
-            if row.get(key) is None:
+            if key and row.get(key) is None:
                 raise UserError(f"data.path: row {i} has no '{key}': every preference row needs "
                                 f"{cfg.prompt_field}, {cfg.chosen_field} and {cfg.rejected_field} (set data.*_field "
                                 "to remap column names)")
@@ -113,11 +130,9 @@ def _encode(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase) -> _Encoded
 def build_pair_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Path, *, seed: int,
                      progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """The preference twin of build.build_entry: same files and manifest keys, plus `pairs` counts."""
-    columns = list(raw[0]) if isinstance(raw, list) else raw.column_names
-    missing = [c for c in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field) if c not in columns]
-    if missing:
-        raise UserError(f"data.format=preference: column(s) {missing} missing from data.path (found "
-                        f"{sorted(columns)}): set data.prompt_field / chosen_field / rejected_field")
+    from shardtune.data.fields import resolve_fields
+
+    cfg = resolve_fields(cfg, list(raw[0]) if isinstance(raw, list) else raw.column_names)
     dtype = token_dtype(tok)
     enc = _encode(raw, cfg, tok)
     if progress is not None:

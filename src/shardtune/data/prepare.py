@@ -50,7 +50,7 @@ def format_report(data: TokenizedData, *, seconds: float) -> str:
              f"format: {_describe(m.get('data', {}))}",
              f"tokens: {train['tokens']:,} train ({train['target_tokens']:,} with a loss), {ev['tokens']:,} eval; "
              f"stored as {m['token_dtype']}",
-             f"truncated documents (longer than data.seq_len={m['seq_len']}): {truncated_counts(m['stats'])}",
+             _long_documents(m),
              f"packing efficiency: {_pct(train['target_tokens'], slots)} of train slots are target tokens, "
              f"{_pct(train['tokens'], slots)} hold a token (the rest is padding)",
              "document length (tokens, before truncation):"]
@@ -61,6 +61,15 @@ def format_report(data: TokenizedData, *, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _long_documents(m: dict[str, Any]) -> str:
+    train, ev = m["stats"]["train"], m["stats"]["eval"]
+    if m.get("long_docs") == "split":
+        return (f"split documents (longer than data.seq_len={m['seq_len']}): {train['split'] + ev['split']:,} "
+                f"(train {train['split']:,}, eval {ev['split']:,}), into {train['pieces'] + ev['pieces']:,} pieces "
+                "in all (data.long_docs=split)")
+    return f"truncated documents (longer than data.seq_len={m['seq_len']}): {truncated_counts(m['stats'])}"
+
+
 def _describe(fields: dict[str, Any]) -> str:
     """'instruction (prompt=instruction, input=input, response=output; template alpaca)': the columns read."""
     from shardtune.data.formats import FORMATS
@@ -68,7 +77,10 @@ def _describe(fields: dict[str, Any]) -> str:
     if fields.get("format") not in FORMATS:
         return "?"
     fmt = FORMATS[fields["format"]]
-    cols = ", ".join(f"{k.removesuffix('_field')}={fields[k]}" for k in fmt.required + fmt.optional if fields.get(k))
+    keys = fmt.required + fmt.optional
+    if fields["format"] == "chat" and not fields.get("messages_field"):  # TRL's prompt/completion layout
+        keys = ("prompt_field", "response_field")
+    cols = ", ".join(f"{k.removesuffix('_field')}={fields[k]}" for k in keys if fields.get(k))
     extra = {"instruction": f"; template {fields.get('template')}", "chat": f"; style {fields.get('chat_style')}"}
     on_inputs = "; loss on inputs too" if fields.get("train_on_inputs") else ""
     return f"{fields['format']} ({cols}{extra.get(fields['format'], '')}{on_inputs})"

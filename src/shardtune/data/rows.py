@@ -30,6 +30,9 @@ class PackedRows:
     def __init__(self, entry: Path, split: str, documents: pa.Table, manifest: dict[str, Any]) -> None:
         self.docs = np.load(entry / f"{split}_docs.npy", mmap_mode="r")  # [num_docs] document ids, in order
         self.rows = np.load(entry / f"{split}_rows.npy", mmap_mode="r")  # [num_rows + 1] offsets into docs
+        # data.long_docs=split: docs[j] is a piece of its document, starting at token starts[j] (build.split_pieces)
+        starts = entry / f"{split}_starts.npy"
+        self.starts = np.load(starts, mmap_mode="r") if starts.is_file() else None
         self.documents = documents
         # Per-chunk access: `ChunkedArray.take` on list columns concatenates the chunks first, i.e. copies the whole
         # column into anonymous memory at every step (RSS growing with the dataset). One document at a time from
@@ -50,12 +53,18 @@ class PackedRows:
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         spans = [(int(self.rows[r]), int(self.rows[r + 1])) for r in idx]
         docs = []  # (ids, target) per document, numpy views/copies of one document each
+        s = self.seq_len
         for a, b in spans:
-            for d in self.docs[a:b]:
+            for j in range(a, b):
+                d = self.docs[j]
                 c = int(np.searchsorted(self._starts, d, side="right")) - 1
                 i = int(d) - int(self._starts[c])
-                docs.append((self._ids[c].get(i).astype(np.int64), self._target[c].get(i)))
-        n, s = len(idx), self.seq_len
+                lo = 0 if self.starts is None else int(self.starts[j])
+                toks, target = self._ids[c].get(i, lo, lo + s).astype(np.int64), self._target[c].get(i, lo, lo + s)
+                if lo:
+                    target[0] = False  # the previous piece's last token: context here, trained on there
+                docs.append((toks, target))
+        n = len(idx)
         input_ids = np.full((n, s), self.pad_id, dtype=np.int64)
         labels = np.full((n, s), IGNORE, dtype=np.int64)
         positions = np.zeros((n, s), dtype=np.int64)
@@ -93,8 +102,10 @@ class _ListView:
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
-    def get(self, i: int) -> np.ndarray:
+    def get(self, i: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Document i, or its tokens [lo, hi)."""
         a, b = int(self._offsets[i]), int(self._offsets[i + 1])
+        a, b = a + lo, b if hi is None else min(b, a + hi)
         if not self._bits:
             return np.array(self._data[a:b])
         a, b = a + self._base, b + self._base

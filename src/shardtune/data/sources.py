@@ -62,7 +62,10 @@ def _check_dataset(values: dict[str, Any], prefix: str) -> None:
         _fail(f"{prefix}chat_style", f"must be auto, openai or sharegpt, got {values['chat_style']!r}")
     for key in ("text_field", "prompt_field", "input_field", "response_field", "messages_field", "template",
                 "chosen_field", "rejected_field"):
-        if not isinstance(values[key], str) or not (values[key] or key == "input_field"):  # "": no input column
+        # "": no such column (input_field: no input; TRL's layouts, fields.py: messages_field for prompt/completion
+        # chats, prompt_field for preference pairs whose shared opening is the prompt)
+        if not isinstance(values[key], str) or not (values[key] or key in ("input_field", "messages_field",
+                                                                             "prompt_field")):
             _fail(f"{prefix}{key}", f"must be a non-empty string, got {values[key]!r}")
     problem = check_prompt_template(values["template"])
     if problem:

@@ -30,6 +30,14 @@ class BackwardSchedule(enum.Enum):
 
     OVERLAP = "overlap"  # FSDP2's: gather at pre-backward, the oldest reduction waited at the next post-backward
     STAGGERED = "staggered"  # the reduction over the first half of a unit, then the gather: one unit less memory
+    AUTO = "auto"  # overlap on an accelerator, staggered on the host (`on`)
+
+    def on(self, *, accelerator: bool) -> BackwardSchedule:
+        """AUTO made concrete: overlap on an accelerator (communication hides under compute, the faster one),
+        staggered on the host (gloo's collectives overlap little there; one unit less backward peak)."""
+        if self is not BackwardSchedule.AUTO:
+            return self
+        return BackwardSchedule.OVERLAP if accelerator else BackwardSchedule.STAGGERED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,13 +53,16 @@ def default_no_weight_decay(name: str, param: nn.Parameter) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingPolicy:
+    """Defaults are the recipe schema's (config/schema.py EngineConfig); config/resolve.py makes a recipe into a
+    policy, and tests/unit/test_resolve.py holds the two equal."""
+
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     unit_classes: tuple[type[nn.Module], ...] = ()  # each instance becomes one unit; () -> use min_unit_params
     min_unit_params: int | None = None  # size-based auto-wrap when unit_classes is empty
     mixed_precision: MixedPrecision = MixedPrecision()
     cpu_offload: bool = False  # sharded params, grads and optimizer state on the host
     prefetch: bool = True  # overlap the next unit's all-gather with the current unit's compute
-    backward_schedule: BackwardSchedule = BackwardSchedule.STAGGERED
+    backward_schedule: BackwardSchedule = BackwardSchedule.AUTO
     sync_every_microstep: bool = True  # reduce-scatter every micro-step (False: only when sync is re-enabled)
     hybrid_shard_size: int | None = None  # ranks per shard group under HYBRID_SHARD
     no_weight_decay: Callable[[str, nn.Parameter], bool] = default_no_weight_decay
@@ -67,10 +78,16 @@ class ShardingPolicy:
     # Our backend: the embedding and head tables sharded by vocabulary rows over the shard group and never gathered
     # (engine/vocab.py). FSDP2: the (untied) embedding and head become units of their own. Each backend applies it
     # only with a shard group of more than one rank.
-    vocab_parallel: bool = False
+    vocab_parallel: bool = True
     # Replicated params: each rank holds the gradient and AdamW state of its own contiguous run of them only
     # (engine/replicated.py: reduce-scatter, step, all-gather after the optimizer step). False: all of them.
-    shard_replicated_states: bool = False
+    shard_replicated_states: bool = True
+    # The inputs activation checkpointing keeps live in pinned host memory between a unit's forward and its recompute
+    # (engine/offload_activations.py; applied with checkpointing, before sharding, by either backend).
+    offload_activations: bool = False
+    # Each unit's `mlp` runs over chunks of this many tokens (tiled_mlp.py; a model transform before checkpointing,
+    # either backend). 0: off.
+    mlp_chunk_tokens: int = 0
 
 
 class ShardedModel(Protocol):

@@ -14,14 +14,20 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import find_units
 
 
 def apply_activation_checkpointing(model: nn.Module, unit_classes: tuple[type[nn.Module], ...], *,
-                                   every_k: int = 1, min_unit_params: int | None = None) -> list[nn.Module]:
-    """Checkpoint every `every_k`-th unit (units 0, k, 2k, ... in forward order); returns those modules."""
+                                   every_k: int = 1, min_unit_params: int | None = None,
+                                   offloader: ActivationOffloader | None = None) -> list[nn.Module]:
+    """Checkpoint every `every_k`-th unit (units 0, k, 2k, ... in forward order); returns those modules.
+    `offloader`: their kept inputs live on the host between forward and recompute (offload_activations.py)."""
     assert every_k >= 1
     chosen = find_units(model, unit_classes, min_unit_params)[::every_k]
     for unit in chosen:
-        unit.forward = functools.partial(checkpoint, unit.forward, use_reentrant=False)
+        if offloader is not None:
+            unit.forward = offloader.checkpointed(unit.forward)
+        else:
+            unit.forward = functools.partial(checkpoint, unit.forward, use_reentrant=False)
     return chosen

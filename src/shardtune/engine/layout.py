@@ -135,11 +135,15 @@ def _is_replicated(policy: ShardingPolicy, name: str, p: nn.Parameter) -> bool:
 
 
 def _is_quantized(policy: ShardingPolicy, up: UnitParams, entry: Entry) -> bool:
-    """quantize_base: a frozen weight of nn.Linear modules only, inside a unit (the root stays unquantized), whose
-    shape NF4 takes (2-D, whole blocks). The rest of the unit's frozen params (norms, biases) stay in `frozen`."""
+    """quantize_base: a frozen weight of nn.Linear modules, or a fused 3-D expert weight (experts.py), inside a unit
+    (the root stays unquantized), whose shape NF4 takes (whole blocks; per expert, for experts). The rest of the
+    unit's frozen params (norms, biases, routers) stay in `frozen`."""
+    from shardtune.experts import expert_weights, is_experts
+
     _, p, locations = entry
     return (policy.quantize_base and not up.is_root and quantizable(p.shape)
-            and all(isinstance(m, nn.Linear) and attr == "weight" for m, attr in locations))
+            and all((isinstance(m, nn.Linear) and attr == "weight") or (is_experts(m) and attr in expert_weights(m))
+                    for m, attr in locations))
 
 
 def replicated_params(module: nn.Module, policy: ShardingPolicy) -> list[tuple[str, nn.Parameter]]:

@@ -28,7 +28,7 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # noqa: E
     to_nf4,
 )
 
-from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, scaler_block  # noqa: E402
+from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, matrix_shape, scaler_block  # noqa: E402
 
 CHUNK = 1 << 20  # most elements quantized at once: torchao's nearest-level search holds ~50 B/element (bf16)
 
@@ -104,7 +104,8 @@ def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, tile_bytes: int = 0) -> NF
     sb = scaler_block(n)
     e = torch.empty((), dtype=dtype, device="meta").element_size()
     n_blocks = n // BLOCK
-    meta = SubclassTensorArgs(layout.shape, (layout.shape[1], 1), 0, dtype, buf.device, False)
+    rows, cols = matrix_shape(layout.shape)  # 3-D experts: a (experts·out, in) matrix (nf4_experts.py)
+    meta = SubclassTensorArgs(torch.Size((rows, cols)), (cols, 1), 0, dtype, buf.device, False)
     cls = NF4Tensor
     if tile_bytes:
         from shardtune.engine.nf4_linear import TiledNF4Tensor
@@ -125,7 +126,7 @@ def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, tile_bytes: int = 0) -> NF
 
 def dequantize(buf: torch.Tensor, layout: Nf4Layout) -> torch.Tensor:
     """The weight as the matmul sees it (layout.shape, layout.dtype)."""
-    return nf4_view(buf, layout).get_original_weight()
+    return nf4_view(buf, layout).get_original_weight().view(layout.shape)
 
 
 def quantize_parameters(module: torch.nn.Module, entries: list, dtype: torch.dtype) -> None:

@@ -23,8 +23,15 @@ ALIGN = 8  # byte alignment of each part, so `view(dtype)` of the byte buffer is
 
 
 def quantizable(shape: torch.Size) -> bool:
-    """NF4 needs 2-D (Linear) weights whose numel is a whole number of blocks."""
-    return len(shape) == 2 and math.prod(shape) % BLOCK == 0
+    """NF4 needs 2-D (Linear) weights whose numel is a whole number of blocks, or 3-D fused experts whose every
+    expert is (so one expert, or a run of them, dequantizes on its own)."""
+    return len(shape) in (2, 3) and math.prod(shape[1:] if len(shape) == 3 else shape) % BLOCK == 0
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """The 2-D matrix NF4 quantizes: 3-D experts [E, a, b] as [E·a, b], rows of each expert consecutive, blocks
+    along the stored last dim (the input dim, unless the experts are stored transposed)."""
+    return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else (shape[0], shape[1])
 
 
 FSDP2_MAX_SHARDS = 8  # engine.backend=torch splits every NF4 part by the shard count: keep them divisible

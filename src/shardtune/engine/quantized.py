@@ -132,6 +132,10 @@ class QuantizedFlat:
         views = []
         for s in self.slots:
             w = nf4.nf4_view(src[s.offset:s.offset + s.numel], s.layout, tile_bytes=self.tile_bytes)
+            if len(s.shape) == 3:  # fused experts: their grouped forward dequantizes runs of experts
+                from shardtune.engine.nf4_experts import Nf4Experts
+
+                w = Nf4Experts(w, s.shape, tile_bytes=self.tile_bytes)
             views.append(w)
             for module, attr in s.locations:
                 module.__dict__[attr] = w

@@ -20,6 +20,11 @@ rank's copies (a global optimizer hook: any optimizer holding an owned adapter t
 together, as the trainer does; a rank that steps alone would wait in the all-gather). Same bytes on the wire as the all-reduce (reduce-scatter + all-gather = one all-reduce); memory per
 rank: gradients and AdamW state 12·N/W bytes instead of 12·N.
 
+Host-resident parameters (the vocabulary tables of a hybrid run under cpu_offload): their gradients arrive on the
+host, so `pending` sums there, and the collective runs on a copy on `device` (the group's: NCCL takes no host
+tensor), copied back to the host after. Cost: one H2D and one blocking D2H of the bucket per step, and the bucket
+on the device from the all-reduce until its copy back (the end of the step's last backward).
+
 Cost: one bucket of adapter size (fp32) during every backward of a step; per step 4(W-1)/W x adapter bytes of
 traffic (reduce-scatter + all-gather, or the all-reduce).
 """
@@ -34,6 +39,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from shardtune import accelerator
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_reduce_, reduce_scatter_into
 
 
@@ -58,10 +64,13 @@ def run_sizes(sizes: list[int], owners: list[int], world: int) -> list[int]:
 
 class ReplicatedParams:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: ProcessGroup | None,
-                 counter: CommCounter, *, shard_states: bool = False) -> None:
+                 counter: CommCounter, *, device: torch.device, shard_states: bool = False,
+                 label: str = "adapters") -> None:
         self.params = params  # (name, parameter) in named_parameters() order
         self.group = group  # None: one rank, nothing to reduce
         self.counter = counter
+        self.device = device  # where the group's collectives run (the compute device)
+        self.label = label  # the collectives' name on the simulated GPU's record
         world = 1 if group is None else dist.get_world_size(group)
         self.sharded = shard_states and world > 1 and bool(params)
         self.rank = dist.get_rank(group) if self.sharded else 0
@@ -86,8 +95,14 @@ class ReplicatedParams:
             for i, (_, p) in enumerate(params):
                 p.register_hook(lambda g, i=i: _call(ref, "_add", i, g))
                 p.register_post_accumulate_grad_hook(lambda _p, i=i: _call(ref, "_drop_zeros", i))
+        # Sharded, fewer adapters than ranks: a rank may own none. It still steps an empty run (a 0-element
+        # parameter in its optimizer, a 0-element gradient each step), so its optimizer step triggers the post-step
+        # all-gather every other rank enters, and its AdamW step counter (what a checkpoint saves) counts like theirs.
+        self._empty_run: nn.Parameter | None = None
+        if self.sharded and not any(self.owned):
+            self._empty_run = nn.Parameter(torch.zeros(0, device=params[0][1].device))
         if self.sharded:
-            self._owned_ids = {id(p) for (_, p), mine in zip(params, self.owned, strict=True) if mine}
+            self._owned_ids = {id(p) for p in self.owned_params()}
             hook = register_optimizer_step_post_hook(
                 lambda opt, args, kwargs: _call(ref, "_after_step", opt))
             weakref.finalize(self, hook.remove)
@@ -115,9 +130,12 @@ class ReplicatedParams:
             self._reduced = torch.empty(self.chunk, dtype=torch.float32, device=self.pending.device)
             # pending is scratch (dropped after): gloo then reduces in place, without its own copy of the input
             self._work = reduce_scatter_into(self._reduced, self.pending, self.group, self.counter,
-                                             full_is_scratch=True, async_op=True, label="adapters")
+                                             full_is_scratch=True, async_op=True, label=self.label)
         else:
-            self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True)
+            assert self.pending.device == self.device or not self.sharded, "sharded adapters live on the device"
+            if self.pending.device != self.device:  # host-resident params: reduce a device copy, host sums kept
+                self.pending = self.pending.to(self.device, non_blocking=True)
+            self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True, label=self.label)
 
     def finish_reduce(self) -> None:
         """Wait for `start_reduce`'s collective (it overlapped the units' last reductions), add it to p.grad."""
@@ -127,6 +145,12 @@ class ReplicatedParams:
             self._work.wait()
             self._work = None
         source, base = (self._reduced, self.rank * self.chunk) if self.sharded else (self.pending, 0)
+        if self.params[0][1].device != source.device:  # host-resident params: one blocking D2H of the bucket
+            # (simulated: an empty host buffer stands for the values, as the vocabulary rows' D2H does)
+            source = (accelerator.host_empty(source.numel(), source.dtype, source.device)
+                      if accelerator.is_simulated(source.device) else accelerator.to_host(source))
+        if self._empty_run is not None:
+            self._empty_run.grad = torch.zeros_like(self._empty_run)
         for (_, p), a, mine in zip(self.params, self._offsets, self.owned, strict=True):
             if not mine:
                 continue  # another rank's: its gradient (and AdamW state) lives there only
@@ -145,9 +169,14 @@ class ReplicatedParams:
         self.pending = self._reduced = None
         self._fresh = [False] * len(self.params)
 
+    def owned_named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """What this rank's optimizer steps: every adapter, or (sharded) this rank's run (maybe the empty one)."""
+        if self._empty_run is not None:
+            return [("empty_run", self._empty_run)]
+        return [(n, p) for (n, p), mine in zip(self.params, self.owned, strict=True) if mine]
+
     def owned_params(self) -> list[nn.Parameter]:
-        """What this rank's optimizer steps: every adapter, or (sharded) this rank's run."""
-        return [p for (_, p), mine in zip(self.params, self.owned, strict=True) if mine]
+        return [p for _, p in self.owned_named_params()]
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.owned_params() if p.grad is not None]
@@ -162,13 +191,13 @@ class ReplicatedParams:
 
     def gather_params(self) -> None:
         """Sharded: every rank's stepped run, all-gathered into every rank's copies (one collective)."""
-        owned = self.owned_params()
+        owned = [p for (_, p), m in zip(self.params, self.owned, strict=True) if m]
         device = self.params[0][1].device
         mine = torch.zeros(self.chunk, dtype=torch.float32, device=device)
         if owned:
             torch.cat([p.detach().reshape(-1) for p in owned], out=mine[:self.owned_numel])
         full = torch.empty(self.bucket_numel, dtype=torch.float32, device=device)
-        all_gather_into(full, mine, self.group, self.counter, label="adapters")
+        all_gather_into(full, mine, self.group, self.counter, label=self.label)
         with torch.no_grad():
             for (_, p), a, m in zip(self.params, self._offsets, self.owned, strict=True):
                 if not m:

@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 
 from shardtune import accelerator
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
+from shardtune.engine.clip import scale_grads_, sq_norm
 from shardtune.engine.collectives import all_gather_into, all_reduce_
 from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
 from shardtune.engine.flat_param import FlatParam
@@ -69,10 +70,9 @@ class ShardtuneModel:
                     yield decay, seg
 
     def _replicated(self) -> Iterator[tuple[bool, nn.Parameter]]:
-        r = self.ctx.replicated
-        for (name, p), mine in zip(r.params, r.owned, strict=True):
-            if mine:  # shard_replicated_states: this rank steps its own run of the adapters only
-                yield not self.policy.no_weight_decay(name, p), p
+        # shard_replicated_states: this rank steps its own run of the adapters only
+        for name, p in self.ctx.replicated.owned_named_params():
+            yield not self.policy.no_weight_decay(name, p), p
 
     def optimizer_param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         params = [*self._segments(), *self._replicated()]
@@ -90,22 +90,17 @@ class ShardtuneModel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         self.wait_reductions()
         grads = [p.grad for _, p in self._segments() if p.grad is not None]
-        sq = _sq_norm(grads, self.ctx.device)
+        sq = sq_norm(grads, self.ctx.device)
         # Sum over the shard group only: replicas (hybrid/no_shard) hold identical shards. Padding is not in any
         # segment, so it never counts. One all-reduce of one scalar.
         all_reduce_(sq, self.ctx.shard_group, self.ctx.counter)
         # Replicated params (LoRA adapters) hold the same reduced gradient on every rank: added once, after; with
         # sharded states each rank holds its own run's: summed over the ranks (one more scalar all-reduce).
         replicated = self.ctx.replicated.grads()
-        sq_rep = _sq_norm(replicated, self.ctx.device)
+        sq_rep = sq_norm(replicated, self.ctx.device)
         all_reduce_(sq_rep, self.ctx.replicated.sq_norm_group(), self.ctx.counter)
         total = (sq + sq_rep).sqrt()
-        grads += replicated
-        if max_norm > 0 and grads:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch clip_grads_with_norm_
-            for dev in {g.device for g in grads}:  # offload: shard grads on the host, adapters on the device
-                scale = coef.to(dev) if dev == coef.device or coef.device.type == "cpu" else accelerator.to_host(coef)
-                torch._foreach_mul_([g for g in grads if g.device == dev], scale)
+        scale_grads_(grads + replicated, total, max_norm)  # offload: shard grads on the host, adapters on the device
         return total
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
@@ -179,19 +174,14 @@ def _check_master_dtype(unit_params: list) -> None:
                                 "bf16 with engine.mixed_precision=bf16")
 
 
-def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of `grads` (fp32 scalar on `device`, where the collectives run)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum().to(device)
-
-
 def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> ShardtuneModel:
     shard_group, replicate_group = build_groups(policy.strategy, policy.hybrid_shard_size)
     shard_size = group_size(shard_group)
     shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
     if policy.vocab_parallel and shard_size < 2:  # one copy per rank (world 1, no_shard): nothing to split by rows
         policy = dataclasses.replace(policy, vocab_parallel=False)
+    policy = dataclasses.replace(policy, backward_schedule=policy.backward_schedule.on(
+        accelerator=accelerator.is_accelerator(device)))
     ctx = EngineContext(strategy=policy.strategy, shard_group=shard_group, replicate_group=replicate_group,
                         reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch, device=device,
                         backward_schedule=policy.backward_schedule)
@@ -214,7 +204,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
                               offload=policy.cpu_offload)
     world = dist.get_world_size()
     ctx.replicated = ReplicatedParams(replicated, dist.group.WORLD if world > 1 else None, ctx.counter,
-                                      shard_states=policy.shard_replicated_states)
+                                      device=device, shard_states=policy.shard_replicated_states)
 
     compute = policy.mixed_precision.param_dtype
     units: list[Unit] = []
@@ -281,4 +271,5 @@ def _install_vocab_tables(ctx: EngineContext, root: Unit, replicate_group: Proce
         install(table, emb, head)
         segments += [(slot.name, seg) for _, _, _, seg in flat.segments]
     if segments and replicate_group is not None:
-        ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter)
+        ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter, device=ctx.device,
+                                              label="vocab")

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtune import accelerator
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy
+from shardtune.engine.clip import scale_grads_, sq_norm
 from shardtune.engine.wrap import find_units
 
 
@@ -36,11 +37,23 @@ def build_mesh(device_type: str, strategy: ShardingStrategy, hybrid_shard_size: 
     return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective over its mesh), gathered on the mesh's device: under cpu_offload
+    FSDP2's shards are host DTensors, and NCCL takes no host tensor (a copy of this shard to the device first)."""
+    if not isinstance(p, DTensor):
+        return p
+    device = torch.device(p.device_mesh.device_type)
+    if p.to_local().device.type != device.type:
+        p = p.to(device)
+    return p.full_tensor()
+
+
 class TorchShardedModel:
-    def __init__(self, module: nn.Module, policy: ShardingPolicy, mesh: DeviceMesh) -> None:
+    def __init__(self, module: nn.Module, policy: ShardingPolicy, mesh: DeviceMesh, device: torch.device) -> None:
         self.module = module
         self.policy = policy
         self.mesh = mesh
+        self.device = device
         self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
 
     def optimizer_param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
@@ -51,12 +64,16 @@ class TorchShardedModel:
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, total)
+        """The squared norm of each rank's local shards, summed over the shard mesh dim on the device (replicas
+        hold the same shards). Not DTensor's own reduction: under cpu_offload it would all-reduce a host tensor on
+        the device group."""
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in
+                 (p.grad for p in self.module.parameters()) if g is not None]
+        sq = sq_norm(local, self.device)
+        if self.mesh.size(self.mesh.mesh_dim_names.index("shard")) > 1:
+            dist.all_reduce(sq, group=self.mesh.get_group("shard"))
+        total = sq.sqrt()
+        scale_grads_(local, total, max_norm)
         return total
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
@@ -73,7 +90,7 @@ class TorchShardedModel:
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         rank0 = dist.get_rank() == 0
         for name, p in self.module.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()  # collective per parameter
+            full = full_tensor(p.detach())  # collective per parameter
             if rank0:
                 yield name, full.detach().to("cpu", copy=True)
             del full
@@ -95,6 +112,7 @@ class TorchShardedModel:
 
 def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> TorchShardedModel:
     mesh = build_mesh(device.type, policy.strategy, policy.hybrid_shard_size)
+    _states_to(module, device)
     mp = MixedPrecisionPolicy(param_dtype=policy.mixed_precision.param_dtype,
                               reduce_dtype=policy.mixed_precision.reduce_dtype)
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=accelerator.has_pinned_memory(device)) if policy.cpu_offload else OffloadPolicy()
@@ -112,13 +130,26 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
         fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     # The root is the last unit FSDP2 runs backward for; it keeps its params for backward (reshard=False).
     fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
-    sharded = TorchShardedModel(module, policy, mesh)
+    sharded = TorchShardedModel(module, policy, mesh, device)
     for m in sharded._fsdp_modules:
         # Our contract: sum over ranks (the loss is already globally normalised). Forcing a plain SUM also avoids
         # PREMUL_SUM, which gloo lacks.
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
     return sharded
+
+
+def _states_to(module: nn.Module, device: torch.device) -> None:
+    """Parameters (LoRA adapters built on the host) and buffers (rotary inv_freq) moved to the device by swapping
+    them, not in place as fully_shard would (`.data =`), which cannot change the tensor type: host -> meta, the
+    simulated GPU."""
+    for m in module.modules():
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = b.to(device)
+        for p in m._parameters.values():
+            if p is not None and p.device.type != device.type:
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))
 
 
 def table_units(module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:

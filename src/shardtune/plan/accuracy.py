@@ -21,6 +21,13 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_si
          "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
+# A mixture of experts of the same scale (Qwen3-MoE: 8 experts, 2 active per token, fused 3-D expert weights).
+MOE_MODEL = {**{k: v for k, v in MODEL.items() if k not in ("architectures", "model_type")},
+             "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "intermediate_size": 688,
+             "moe_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+             "head_dim": 32}
+ARCHS = {"llama": MODEL, "moe": MOE_MODEL}
+
 BASE = ["train.max_steps=2", "train.profile_memory=true", "train.demo_eval=false", "train.save_final=false",
         "train.eval_every=0", "data.eval_fraction=0.0", "data.num_samples=300", "train.warmup_steps=0",
         "launch.device=cpu", "launch.threads_per_worker=1", "hardware.gpu=cpu"]
@@ -34,6 +41,8 @@ class Case:
     recipe: str = "tiny-cpu"
     own_model: bool = True  # False: the recipe's own model (the demo recipes as users run them)
     vocab: int | None = None  # the own model with this vocabulary instead of MODEL's
+    long_docs: bool = False  # data: LONG_DOCS text documents of LONG_DOC_CHARS characters (char tokenizer)
+    arch: str = "llama"  # the own model: MODEL, or MOE_MODEL ("moe")
 
 
 GRID = [  # world, strategy, precision, micro-batch, seq_len, extra overrides (a label for the name)
@@ -112,6 +121,24 @@ def dpo_grid() -> list[Case]:
                   f"data.seq_len={s}", *DPO, *extra)) for w, mb, s, extra in DPO_GRID]
 
 
+# Mixture of experts (issue 29): every expert's parameters, the routed tokens' activations (top-k rows per token),
+# NF4 experts and per-expert adapters; full fine-tuning, LoRA (attention + experts) and QLoRA, world 1/2.
+MOE_LORA = ("lora.enabled=true", "lora.r=8", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]")
+MOE_GRID = [  # world, precision, micro-batch, seq_len, extra overrides (a label for the name)
+    (1, "fp32", 2, 128, ("full",)), (2, "fp32", 2, 256, ("full",)),
+    (2, "fp32", 2, 128, ("lora", *MOE_LORA)), (2, "fp32", 2, 128, ("qlora", *MOE_LORA, "lora.quantize_base=nf4")),
+]
+
+
+def moe_grid() -> list[Case]:
+    cases = []
+    for world, mp_, mb, s, (label, *overrides) in MOE_GRID:
+        cases.append(Case(f"w{world} moe {label} {mp_} mb{mb} s{s}", world,
+                          ("engine.strategy=full_shard", f"engine.mixed_precision={mp_}",
+                           f"train.micro_batch_size={mb}", f"data.seq_len={s}", *overrides), arch="moe"))
+    return cases
+
+
 def demo_grid(subset: bool = False) -> list[Case]:
     combos = DEMO_SUBSET if subset else [(r, mb, st, w) for r in DEMO_RECIPES for w in DEMO_WORLDS
                                          for st in DEMO_STRATEGIES for mb in DEMO_MICRO_BATCHES]
@@ -163,12 +190,37 @@ def vocab_grid(subset: bool = False) -> list[Case]:
     return cases
 
 
+# Long context (seq 8,192): packed rows of a few long documents (~3 per row), the tiny-llama demo model and its
+# character tokenizer; checkpointing, activation offloading (host buffers counted apart by the tracker), the
+# chunked MLP, LoRA, bf16 and 2 ranks.
+LONG_DOCS, LONG_DOC_CHARS = 12, 2900
+LONG = ("data.seq_len=8192", "train.micro_batch_size=1", "train.max_steps=1", "data.format=text")
+CK, OFF = "engine.activation_checkpointing=true", "engine.offload_activations=true"
+LONG_GRID = [  # name, world, extra overrides
+    ("w1 fp32 s8192", 1, ()), ("w1 fp32 s8192 ckpt", 1, (CK,)), ("w1 fp32 s8192 ckpt offload", 1, (CK, OFF)),
+    ("w2 fp32 s8192", 2, ()),
+    ("w2 fp32 s8192 ckpt offload", 2, (CK, OFF)),
+    ("w2 bf16 s8192 lora ckpt offload", 2, ("engine.mixed_precision=bf16", "lora.enabled=true", CK, OFF)),
+]
+
+
+def long_context_grid() -> list[Case]:
+    return [Case(name, world, (*LONG, *extra), own_model=False, long_docs=True) for name, world, extra in LONG_GRID]
+
+
+def _long_docs_file(workdir: Path) -> Path:
+    return workdir / "long_docs.jsonl"
+
+
 def _model_file(case: Case, workdir: Path) -> Path:
+    if case.arch != "llama":
+        return workdir / f"model-{case.arch}.json"
     return workdir / ("model.json" if case.vocab is None else f"model-v{case.vocab}.json")
 
 
 def recipe_overrides(case: Case, workdir: Path, index: int) -> list[str]:
     model = [f"model.config={_model_file(case, workdir)}"] if case.own_model else []
+    model += [f"data.path={_long_docs_file(workdir)}"] if case.long_docs else []
     return [*model, *BASE, f"launch.nproc_per_node={case.world}", f"train.output_dir={workdir / f'run{index}'}",
             *case.overrides]
 
@@ -214,9 +266,15 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
 def measure(cases: list[Case], workdir: Path) -> list[int]:
     """Max over steps of peak_mem_bytes for each case; one spawn per world size."""
     (workdir / "model.json").write_text(json.dumps(MODEL))
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    _long_docs_file(workdir).write_text("".join(
+        json.dumps({"text": "".join(letters[(i * 7 + j * j) % 27] for j in range(LONG_DOC_CHARS))}) + "\n"
+        for i in range(LONG_DOCS)))
     for c in cases:
         if c.vocab is not None:
             _model_file(c, workdir).write_text(json.dumps({**MODEL, "vocab_size": c.vocab}))
+        elif c.arch != "llama":
+            _model_file(c, workdir).write_text(json.dumps(ARCHS[c.arch]))
     by_world: dict[int, list[int]] = {}
     for i, c in enumerate(cases):
         by_world.setdefault(c.world, []).append(i)

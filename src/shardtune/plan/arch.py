@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from shardtune.config.schema import ModelConfig
+from shardtune.hub import model_dir
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ def read_config_json(cfg: ModelConfig) -> dict | None:
     source = cfg.config or cfg.path
     if source is None:
         return None
-    path = Path(source)
+    path = Path(source) if cfg.config else model_dir(source)
     path = path / "config.json" if path.is_dir() else path
     try:
         data = json.loads(path.read_text())

@@ -8,8 +8,8 @@ Bound, per rank, as if nothing were sharded and everything fp32 (tests/unit/plan
 plan's peak over recipes x strategies x precisions x LoRA x checkpointing x micro-batches):
   states       32 B/param: master 4 + grad 4 + AdamW 8, and 16 for gathered copies, flat-grad concatenation and
                optimizer temporaries; parameters counted with every bias and untied embeddings
-  activations  per layer 4·b·s·(12·h + 6·q + 10·i) + b·s²·(8·heads + 4) + b·heads·s·4 (eager softmax, packing
-               mask, lse), every layer kept (no checkpointing credit); logits 6 fp32 copies of b·s·V; the root's
+  activations  per layer 4·b·s·(12·h + 6·q + 10·i) + b·s²·(8·heads + 4) (eager only: softmax, mask) + b·heads·s·4
+               (lse), every layer kept (no checkpointing credit); logits 6 fp32 copies of b·s·V; the root's
                norms and ids.
 """
 from __future__ import annotations
@@ -42,8 +42,9 @@ def peak_upper_bound(recipe: Recipe, *, ranks_per_node: int) -> Bound | None:
     b, s = recipe.train.micro_batch_size * (2 if recipe.train.objective == "dpo" else 1), recipe.data.seq_len
     h, q, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size
     states = 32 * param_upper_bound(c)
-    layer = 4 * b * s * (12 * h + 6 * q + 10 * i) + b * s * s * (8 * c.num_attention_heads + 4) \
-        + b * c.num_attention_heads * s * 4
+    # s² terms only for eager attention (softmax, mask): sdpa runs per document with no mask (attention.py)
+    squares = b * s * s * (8 * c.num_attention_heads + 4) if recipe.model.attn_implementation == "eager" else 0
+    layer = 4 * b * s * (12 * h + 6 * q + 10 * i) + squares + b * c.num_attention_heads * s * 4
     logits = 6 * 4 * b * s * c.vocab_size
     root = 16 * b * s * h + 16 * b * s
     return Bound(device_bytes=states + c.num_hidden_layers * layer + logits + root,

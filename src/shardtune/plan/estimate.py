@@ -21,8 +21,8 @@ Activations per decoder layer (HF Llama/Mistral/Qwen2 blocks, sdpa): what autogr
 on this exact code path (counted with torch.autograd.graph.saved_tensors_hooks, transformers 5.x, sdpa):
   two RMSNorms: fp32 compute saves input, normalised and output (3·4 B·h); bf16 saves the fp32 upcast, the
   bf16 normalised and output (4 + 2·2 B·h);  q (rotated), k, v (repeated to all heads when a packing mask
-  exists), attention output: 4 tensors;  MLP: gate, up, act(gate), act·up (4 × b·s·i);  the packing mask
-  b·s²; softmax log-sum-exp b·heads·s fp32; two rsqrt b·s fp32.
+  exists: eager only), attention output: 4 tensors;  MLP: gate, up, act(gate), act·up (4 × b·s·i);  the eager
+  packing mask b·s²; softmax log-sum-exp b·heads·s fp32; two rsqrt b·s fp32.
 Checkpointed units keep only their input (b·s·h) and recompute one unit's set during its backward.
 Under LoRA the frozen base changes that set (lora_norms_mlp_bytes).
 """
@@ -39,6 +39,15 @@ from shardtune.engine.layout import UnitLayout
 from shardtune.plan.stats import DTYPES, ModelStats
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
+
+
+AHEAD = 2  # engine/offload_activations.py: offloaded unit inputs fetched ahead of their recompute
+
+
+def pinned_bytes(n: int, s: Setup) -> int:
+    """A pinned host buffer of n bytes: CUDA's host caching allocator rounds each block up to a power of two. A CPU
+    run's host buffers are plain allocations."""
+    return n if s.device_is_cpu or n <= 0 else 1 << (n - 1).bit_length()
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -66,31 +75,35 @@ class Setup:
     packing: bool
     device_is_cpu: bool
     nf4: bool = False  # lora.quantize_base=nf4: the units' frozen Linear weights stored and gathered as NF4 bytes
-    backward_schedule: str = "staggered"  # overlap | staggered (engine/unit.py; `auto` resolved in from_recipe)
+    backward_schedule: str = "staggered"  # overlap | staggered (engine/unit.py; `auto` resolved by resolve_engine)
     loss_chunk: int = 0  # train.loss_chunk_tokens (loss.py): tokens per chunk of the fused head + loss; 0: full logits
     nf4_tile_bytes: int = 0  # engine.nf4_tile_mb (engine/nf4_linear.py, our backend); 0: torchao's whole weight
     vocab_parallel: bool = False  # engine.vocab_parallel (engine/vocab.py, our backend): tables never gathered
     split_tables: bool = False  # engine.vocab_parallel on FSDP2: the untied embedding and head are units of their own
     shard_adapter_states: bool = False  # engine.shard_adapter_states (engine/replicated.py, our backend)
     backend: str = "shardtune"  # engine.backend: FSDP2 shards the adapters like any parameter (no bucket)
+    offload_activations: bool = False  # engine.offload_activations (engine/offload_activations.py)
+    mlp_chunk: int = 0  # engine.mlp_chunk_tokens (tiled_mlp.py): tokens per MLP chunk; 0: the whole sequence
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
-        e = r.engine
-        return cls(strategy=e.strategy, world=world, nodes=nodes, hybrid_shard_size=e.hybrid_shard_size,
-                   compute=DTYPES[e.mixed_precision], reduce=DTYPES[e.reduce_dtype],
-                   checkpointing=e.activation_checkpointing, offload=e.cpu_offload, lora=r.lora.enabled,
+        """The engine's knobs as train resolves them (config/resolve.py), the rest from the recipe."""
+        from shardtune.config.resolve import resolve_engine
+
+        p = resolve_engine(r, world_size=world, local_world_size=max(1, world // nodes), accelerator=not device_is_cpu)
+        ours = r.engine.backend == "shardtune"
+        return cls(strategy=p.strategy.value, world=world, nodes=nodes, hybrid_shard_size=p.hybrid_shard_size,
+                   compute=p.mixed_precision.param_dtype, reduce=p.mixed_precision.reduce_dtype,
+                   checkpointing=r.engine.activation_checkpointing, offload=p.cpu_offload, lora=r.lora.enabled,
                    micro_batch=rows_per_forward(r), seq_len=r.data.seq_len, grad_accum=r.train.grad_accum,
-                   sync_every_microstep=e.sync_every_microstep, prefetch=e.prefetch, packing=r.data.packing,
-                   device_is_cpu=device_is_cpu, nf4=r.lora.enabled and r.lora.quantize_base == "nf4",
-                   backward_schedule=e.backward_schedule if e.backward_schedule != "auto"
-                   else ("staggered" if device_is_cpu else "overlap"),
+                   sync_every_microstep=p.sync_every_microstep, prefetch=p.prefetch, packing=r.data.packing,
+                   device_is_cpu=device_is_cpu, nf4=p.quantize_base, backward_schedule=p.backward_schedule.value,
                    # DPO's log-probs take the full logits (dpo.py): the chunked loss is SFT's
                    loss_chunk=r.train.loss_chunk_tokens if r.train.objective == "sft" else 0,
-                   nf4_tile_bytes=int(e.nf4_tile_mb * (1 << 20)) if e.backend == "shardtune" else 0,
-                   vocab_parallel=e.vocab_parallel and e.backend == "shardtune",
-                   split_tables=e.vocab_parallel and e.backend == "torch",
-                   shard_adapter_states=e.shard_adapter_states and e.backend == "shardtune", backend=e.backend)
+                   nf4_tile_bytes=p.nf4_tile_bytes, vocab_parallel=p.vocab_parallel and ours,
+                   split_tables=p.vocab_parallel and not ours,
+                   shard_adapter_states=p.shard_replicated_states and ours, backend=r.engine.backend,
+                   offload_activations=p.offload_activations, mlp_chunk=p.mlp_chunk_tokens)
 
     @property
     def shard_size(self) -> int:
@@ -130,18 +143,35 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     c = _size(s.compute)
     bs = b * n
     q_dim = d.num_heads * d.head_dim
-    mask = s.packing  # HF builds a (b,1,s,s) mask for packed rows and then repeats k/v to every head
+    # sdpa runs one causal call per document (attention.py): no mask, k/v not repeated. eager: HF's (b,1,s,s) mask
+    # for packed rows, and k/v repeated to every head.
+    mask = s.packing and stats.recipe.model.attn_implementation == "eager"
     kv_dim = q_dim if mask else d.num_kv_heads * d.head_dim
     attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
+    # Packed SFT rows, per-document calls (attention.py): each call's output (saved by SDPA) and their concatenation
+    # are two tensors. DPO rows are one causal call each.
+    if s.packing and not mask and stats.recipe.train.objective == "sft":
+        attn += bs * c * q_dim
     if s.lora:
         norms, mlp = lora_norms_mlp_bytes(stats, s)
     else:
         norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
         mlp = 4 * bs * d.intermediate * c
+    if 0 < s.mlp_chunk < bs:  # tiled_mlp.py: one chunk's MLP set at a time (its recompute, then its backward)
+        mlp = mlp * s.mlp_chunk // bs
     extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
+    if d.moe:
+        extra += routing_bytes(stats, d, bs, c, lora_experts=s.lora)
     if stats.recipe.model.attn_implementation == "eager":
         extra += b * d.num_heads * n * n * (4 + c)  # softmax output (fp32) and its cast, saved for backward
     return norms + attn + mlp + extra
+
+
+def routing_bytes(stats: ModelStats, d, tokens: int, c: int, *, lora_experts: bool) -> int:
+    from shardtune.plan.moe import routing_bytes as moe_routing
+
+    experts = stats.expert_adapter_numel() // d.num_layers if lora_experts else 0
+    return moe_routing(d.moe, d.hidden, tokens, c, lora=lora_experts and experts > 0, adapter_numel=experts)
 
 
 def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
@@ -183,10 +213,16 @@ def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int) -> t
     when rows split blocks, the fp32 input-gradient accumulator (tokens x in x 4) with one row tile's product
     (tokens x in x c)."""
     from shardtune.engine.nf4_linear import cols_per_tile, rows_per_tile
+    from shardtune.plan.moe import nf4_experts_bytes
 
     buf, transient = 0, 0
     for u in units:
-        for _, (out_f, in_f) in u.quantized_weights:
+        for _, shape in u.quantized_weights:
+            if len(shape) == 3:  # fused experts (plan/moe.py)
+                run_buf, run_transient = nf4_experts_bytes(tuple(shape), c, tile)
+                buf, transient = max(buf, run_buf), max(transient, run_transient)
+                continue
+            out_f, in_f = shape
             rows = rows_per_tile(out_f, in_f, c, tile)
             cols = cols_per_tile(out_f, in_f, c, tile) if rows < out_f else 0
             buf = max(buf, rows * in_f * c, out_f * cols * c)
@@ -313,7 +349,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         grads_prev = adapters_prev + (4 * train_shard if s.sync_every_microstep else
                                       sum(4 * u.trainable.padded_numel for u in units if u.trainable))
     host_per_rank = 0
-    if s.offload:  # model states move to the host; the device keeps what is gathered and in flight
+    if s.offload:  # (activations offloaded to the host are added below)  # model states move to the host; the device keeps what is gathered and in flight
         host_per_rank = offloaded_host_bytes(units, s) + opt - 8 * lora_own
         dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_own, 8 * lora_own
         grads_prev = adapters_prev if s.sync_every_microstep else grads_prev
@@ -329,7 +365,13 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     ck = s.checkpointing
     every = 0 if ck is False else (1 if ck is True else int(ck))
     ckpt = [bool(every) and i % every == 0 for i in range(L)]  # units 0, k, 2k, ... (engine/checkpointing.py)
-    saved = [bsh if c_ else per_layer for c_ in ckpt]  # a checkpointed unit keeps only its input
+    off = s.offload_activations and bool(every)
+    saved = [(0 if off else bsh) if c_ else per_layer for c_ in ckpt]  # a checkpointed unit keeps only its input
+    host_acts = sum(ckpt) * pinned_bytes(bsh, s) if off else 0  # ... on the host when offloaded
+
+    def fetched(i: int) -> int:
+        """Offloaded inputs on the device during unit i's backward: its own and the AHEAD earlier ones."""
+        return bsh * sum(ckpt[j] for j in range(max(0, i - AHEAD), i + 1)) if off else 0
     acts = sum(saved) + root_activation_bytes(stats, s)
     last_ckpt = bool(ckpt) and ckpt[-1]
     recompute = per_layer if last_ckpt else 0  # the last unit's full set, recomputed during its backward
@@ -385,8 +427,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     last_cat, last_red = handoff(blocks[-1]) if blocks else (0, 0)
     root_cat, root_red = handoff(root)
     aliased_units = aliased and s.compute == DTYPES[stats.recipe.model.dtype] and not s.lora
-    bsi = s.micro_batch * s.seq_len * d.intermediate * c
-    mlp_w_grad = d.hidden * d.intermediate * c if not s.lora else 0
+    bsi = min(s.micro_batch * s.seq_len, s.mlp_chunk or s.micro_batch * s.seq_len) * d.intermediate * c
+    mlp_w_grad = d.mlp_weight_numel * c if not s.lora else 0
     root_grad = 4 * root.trainable.shard_numel if root.trainable is not None and not s.offload else 0
     # The head's weight gradient, held from the loss to the root's reduction; vocab-parallel: the local rows' (fp32
     # in the segment's .grad, accumulated by autograd), part of the sharded grads from then on.
@@ -410,9 +452,12 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
 
     overlap = s.backward_schedule == "overlap"
+    # In a unit's backward the final norm's saved tensors are gone (its backward ran first): rotary tables, ids.
+    root_backward = root_activation_bytes(stats, s) - s.micro_batch * s.seq_len * d.hidden * (4 + 2 * c)
 
     def unit_backward(i: int) -> dict[str, int]:
-        own = saved[i] + (per_layer if ckpt[i] else 0)
+        # A recomputed fp32 unit's first norm saves the unit input itself (bf16 saves an upcast copy): counted once.
+        own = saved[i] + (per_layer - (bsh if c == 4 else 0) if ckpt[i] else 0) + fetched(i)
         # engine/unit.py's schedules. Staggered: unit 1's reduction is retired before unit 0's backward; in any
         # other unit's MLP backward (its first half) the next unit's reduction is in flight and the previous unit
         # is gathered ahead only after it is retired (no reduction in flight: at once). Overlap (FSDP2's): the next
@@ -426,15 +471,14 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
                 + flight,
                 "gathered": held + offload_copy + nf4_extra,
-                "activations": sum(saved[:i]) + own + root_activation_bytes(stats, s)
-                + bsh + 2 * bsi}
+                "activations": sum(saved[:i]) + own + root_backward + bsh + 2 * bsi}
     # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
     # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
     # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).
     nf4_extra = max(0, dequant - 2 * bsi)
     static = {"params": dev_params, "optimizer": dev_opt, "buffers": buffers}
     after_last_grad = {"gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
-                       "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer)}
+                       "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer) + fetched(L - 1)}
     phases: dict[str, dict[str, int]] = {
         "forward-loss": {**static, "grads": grads_prev + bucket_prev, "gathered": held_fwd + offload_copy,
                          "activations": acts + ce_fwd},
@@ -482,6 +526,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     per_rank = {f"{k}_bytes": phases[peak].get(k, 0) for k in CATEGORIES}
     per_rank["total_bytes"] = totals[peak]
     ranks_per_node = max(1, s.world // s.nodes)
+    host_per_rank += host_acts
     return Estimate(per_rank=per_rank, peak_phase=peak, phases=totals, breakdown=phases, host_bytes=host_per_rank * ranks_per_node,
                     host_per_rank=host_per_rank, units=units,
                     trainable_params=lora_p if s.lora else stats.num_params, lora_params=lora_p)

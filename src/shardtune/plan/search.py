@@ -30,6 +30,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from shardtune.plan.long_context import long_context_options
 from shardtune.plan.planner import GiB, Plan, variant
 
 MFU = 0.4
@@ -47,6 +48,8 @@ def step_time(plan: Plan) -> dict[str, float]:
     flops_tok = (4 * n + 6 * e.lora_params) if s.lora else 6 * n
     if s.checkpointing is not False:
         flops_tok += 2 * n
+        if s.mlp_chunk:  # tiled_mlp.py: each chunk's MLP runs once more, in its own backward
+            flops_tok += 2 * 3 * d.hidden * d.intermediate * d.num_layers
     flops_tok += 6 * d.num_layers * s.seq_len * d.num_heads * d.head_dim
     rate = hw.bf16_tflops * 1e12 * MFU * (1.0 if s.compute.itemsize == 2 else 0.25)
     compute = flops_tok * tokens / rate
@@ -80,6 +83,11 @@ def step_time(plan: Plan) -> dict[str, float]:
         grads = sum(4 * u.trainable.shard_numel for u in e.units if u.trainable)
         offload = (gathers * s.grad_accum * shard + reduces * grads) / (hw.pcie_gbps * 1e9)
         offload += 16 * grads / 4 / (HOST_ADAM_GBPS * 1e9)
+    if s.offload_activations and s.checkpointing is not False and not s.device_is_cpu:
+        # engine/offload_activations.py: each checkpointed unit's input D2H in forward and H2D in backward, on the
+        # copy stream: hidden under compute (the step waits only for what PCIe cannot keep up with)
+        pcie = 2 * s.grad_accum * d.num_layers * s.micro_batch * s.seq_len * d.hidden * c / (hw.pcie_gbps * 1e9)
+        compute = max(compute, pcie)
     nf4_weights = sum(math.prod(shape) for u in e.units for _, shape in u.quantized_weights)
     passes = 3 if s.checkpointing is not False else 2  # forward, backward (input grad), recompute
     per_weight = 4.5 + 4 * c if s.nf4_tile_bytes else 2 * (8 + 3 * c)
@@ -182,6 +190,10 @@ class Candidate:
         e = self.plan.recipe.engine
         if s.lora and s.shard_adapter_states != (e.shard_adapter_states and e.backend == "shardtune"):
             parts.append(f"engine.shard_adapter_states={'true' if s.shard_adapter_states else 'false'}")
+        if s.offload_activations != e.offload_activations:
+            parts.append(f"engine.offload_activations={'true' if s.offload_activations else 'false'}")
+        if s.mlp_chunk != e.mlp_chunk_tokens:
+            parts.append(f"engine.mlp_chunk_tokens={s.mlp_chunk}")
         return " ".join(parts)
 
 
@@ -218,17 +230,23 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                                     grad_accum=per_rank_batch // m, lora=lo, nf4=q, loss_chunk=chunk,
                                     nf4_tile_bytes=tile, backward_schedule=sched, vocab_parallel=vp,
                                     shard_adapter_states=sa)
-        p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
-        if p.fits:
-            out.append(Candidate(p, step_time(p)))
+        # The long-context knobs (plan/long_context.py) only ever add time: tried, in that order, only until one fits
+        for offload_acts, mlp_chunk in long_context_options(setup):
+            setup = dataclasses.replace(setup, offload_activations=offload_acts, mlp_chunk=mlp_chunk)
+            p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
+            if p.fits:
+                out.append(Candidate(p, step_time(p)))
+                break
     # Equal predicted times are common (compute-bound with prefetch: comm hides under compute): prefer no offload,
     # no checkpointing, then the largest micro-batch (fewest micro-steps: the per-step overheads the model leaves
     # out), then the recipe's own strategy, loss chunking and NF4 tiling, so `train --fit` changes nothing it has no
     # reason to change.
-    return sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.checkpointing is not False,
+    return sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.offload_activations,
+                                      c.plan.setup.checkpointing is not False,
                                       -c.plan.setup.micro_batch, c.plan.setup.strategy != s.strategy,
                                       c.plan.setup.backward_schedule != s.backward_schedule,
                                       c.plan.setup.loss_chunk != s.loss_chunk,
                                       c.plan.setup.nf4_tile_bytes != s.nf4_tile_bytes,
                                       c.plan.setup.vocab_parallel != s.vocab_parallel,
-                                      c.plan.setup.shard_adapter_states != s.shard_adapter_states))
+                                      c.plan.setup.shard_adapter_states != s.shard_adapter_states,
+                                      c.plan.setup.mlp_chunk != s.mlp_chunk))

@@ -17,6 +17,7 @@ from shardtune.engine.api import MixedPrecision, ShardingPolicy
 from shardtune.engine.layout import UnitLayout, unit_layouts
 from shardtune.engine.wrap import resolve_unit_classes
 from shardtune.plan import skeleton
+from shardtune.plan.moe import MoeDims
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -30,13 +31,25 @@ class Dims:
     num_kv_heads: int
     head_dim: int
     vocab: int
+    moe: MoeDims | None = None  # mixture of experts: routing dims (plan/moe.py)
 
     @classmethod
     def from_config(cls, c) -> Dims:  # an HF PretrainedConfig, or skeleton.config_namespace
         heads = c.num_attention_heads
-        return cls(hidden=c.hidden_size, intermediate=c.intermediate_size, num_layers=c.num_hidden_layers,
+        moe = MoeDims.from_config(c)
+        # A MoE layer's MLP runs each token through top_k experts: per token, top_k x the expert's width of
+        # intermediate activations (the routed tokens), where a dense MLP has intermediate_size.
+        inter = moe.top_k * moe.intermediate if moe else c.intermediate_size
+        return cls(hidden=c.hidden_size, intermediate=inter, num_layers=c.num_hidden_layers,
                    num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size)
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size, moe=moe)
+
+    @property
+    def mlp_weight_numel(self) -> int:
+        """One MLP projection's weight: a dense down_proj, or a MoE layer's fused down_proj of every expert."""
+        if self.moe:
+            return self.moe.num_experts * self.hidden * self.moe.intermediate
+        return self.hidden * self.intermediate
 
 
 def build_meta_model(cfg: ModelConfig) -> tuple[nn.Module, Dims]:
@@ -104,13 +117,33 @@ class ModelStats:
         """Adapter params peft would add: r·(in + out) per targeted Linear (matched by the module name's last part)."""
         return sum(self.lora_sizes())
 
-    def lora_sizes(self) -> list[int]:
-        """Each adapter tensor's numel in named_parameters() order: lora_A (r x in), then lora_B (out x r)."""
+    def expert_adapter_numel(self) -> int:
+        """Adapter params on fused expert weights (per expert, every layer)."""
+        from shardtune.experts import expert_weights, in_out, is_experts
+        from shardtune.moe_checks import resolve_targets
+
         lora = self.recipe.lora
-        targets = set(lora.target_modules)
-        return [n for name, m in self.model.named_modules()
-                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets
-                for n in (lora.r * m.in_features, lora.r * m.out_features)]
+        targets = resolve_targets(self.model, lora.target_modules)
+        return sum(lora.r * (fi + fo) * e for _, m in self.model.named_modules() if is_experts(m)
+                   for w in expert_weights(m) if w in targets.expert_weights for e, fi, fo in [in_out(m, w)])
+
+    def lora_sizes(self) -> list[int]:
+        """Each adapter tensor's numel in named_parameters() order: lora_A (r x in), then lora_B (out x r); an expert
+        weight's adapters hold r x (in + out) per expert."""
+        from shardtune.experts import expert_weights, in_out, is_experts
+        from shardtune.moe_checks import resolve_targets
+
+        lora = self.recipe.lora
+        targets = resolve_targets(self.model, lora.target_modules)
+        sizes = []
+        for name, m in self.model.named_modules():
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets.linear:
+                sizes += [lora.r * m.in_features, lora.r * m.out_features]
+            elif is_experts(m):
+                for w in (w for w in expert_weights(m) if w in targets.expert_weights):
+                    e, fan_in, fan_out = in_out(m, w)
+                    sizes += [e * lora.r * fan_in, e * lora.r * fan_out]
+        return sizes
 
     def buffer_bytes(self) -> int:
         """Module buffers (rotary inv_freq, ...): replicated, not sharded, kept in their own dtype."""

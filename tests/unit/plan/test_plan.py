@@ -21,6 +21,7 @@ MODELS = {  # published parameter counts
     "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800,
     "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "mistral-7b": 7_248_023_552,
     "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
+    "qwen3-30b-a3b": 30_532_122_624,  # 128 experts x 48 layers: 29.0 B of the 30.5 B
 }
 
 
@@ -32,12 +33,13 @@ def test_model_configs_build_on_meta_with_published_param_counts(name: str) -> N
 
 
 def test_layout_matches_engine_units_and_padding() -> None:
-    """The layout plan uses is the engine's: units from find_units, trainable [decay | no-decay] then padding."""
+    """The layout plan uses is the engine's: units from find_units, trainable [decay | no-decay] then padding. With
+    the tables in the root's buffer (engine.vocab_parallel=false: this test counts every parameter in a unit)."""
     stats = ModelStats(load_recipe("tiny-cpu", []))
     model = stats.model
     classes = resolve_unit_classes(model, "auto")
     for w in (1, 3, 4):
-        layouts = unit_layouts(model, ShardingPolicy(unit_classes=classes), w)
+        layouts = unit_layouts(model, ShardingPolicy(unit_classes=classes, vocab_parallel=False), w)
         units = find_units(model, classes)
         assert len(layouts) == len(units) + 1 and layouts[-1].is_root
         for lay, u in zip(layouts, units, strict=False):

@@ -1,0 +1,82 @@
+"""`model.path=OWNER/NAME` and `export --push-to-hub` against a fake Hub on 127.0.0.1 (fake_hub.py; no network):
+plan fetches the config.json only, validate the tokenizer too (it tokenizes data rows), train downloads the safetensors once for its two ranks with
+HF_TOKEN sent, export pushes exactly the exported files; then, with the server gone, HF_HUB_OFFLINE=1 runs
+validate and plan from the filled cache, and an id that is not cached is one line, exit 2."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from tests.integration.fake_hub import FakeHub
+from tests.integration.runs import FAST, SHARDTUNE, losses
+from tests.integration.test_model_folder import write_checkpoint
+
+TOKEN = "hf_shardtune_test"
+
+
+def shardtune(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([SHARDTUNE, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, **env})
+
+
+def snapshot_files(hf_home: Path, repo: str) -> set[str]:
+    snapshots = hf_home / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots"
+    return {p.name for p in snapshots.rglob("*") if p.is_file() or p.is_symlink()}
+
+
+def test_hub_id_downloads_once_trains_pushes_and_works_offline(tmp_path):
+    model = tmp_path / "upstream"
+    write_checkpoint(model)
+    hf_home = tmp_path / "hf"
+    run = tmp_path / "run"
+    pretrained = ["model.path=acme/tiny-llama", "model.init=pretrained"]
+    with FakeHub() as hub:
+        hub.add_folder("acme/tiny-llama", model)
+        env = {"HF_HOME": str(hf_home), "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKEN,
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "0"}
+        proc = shardtune("plan", "tiny-cpu", *pretrained, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert snapshot_files(hf_home, "acme/tiny-llama") == {"config.json"}  # plan reads the architecture only
+        proc = shardtune("validate", "tiny-cpu", *pretrained, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        cached = snapshot_files(hf_home, "acme/tiny-llama")
+        assert "config.json" in cached and "tokenizer.json" in cached and "model.safetensors" not in cached
+
+        proc = shardtune("train", "tiny-cpu", *pretrained, f"train.output_dir={run}", *FAST, "train.max_steps=2",
+                         "train.save_every=2", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert hub.gets("/model.safetensors") == 1  # rank 0 downloaded, rank 1 waited and read the cache
+        assert len(losses(run)) == 2
+        assert {auth for _, path, auth in hub.log if "acme/" in path} == {f"Bearer {TOKEN}"}
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        assert json.loads((run / "final" / "config.json").read_text())["vocab_size"] == vocab
+
+        commit = hub.commit("acme/tiny-llama")
+        out = tmp_path / "export"
+        proc = shardtune("export", str(run / "checkpoints"), str(out), "--push-to-hub", "acme/tuned", cwd=tmp_path,
+                         env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "pushed to acme/tuned" in proc.stdout
+        assert hub.repos["acme/tuned"] == {p.name: p.read_bytes() for p in out.iterdir()}
+        assert json.loads((out / "shardtune_prompt.json").read_text()) == {"kind": "instruction", "template": "plain"}
+
+        proc = shardtune("validate", "tiny-cpu", "model.path=acme/missing", "model.init=pretrained", cwd=tmp_path,
+                         env=env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "acme/missing" in proc.stderr and "Hub" in proc.stderr
+
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there
+    proc = shardtune("validate", "tiny-cpu", *pretrained, cwd=tmp_path, env=offline)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = shardtune("plan", "tiny-cpu", f"model.path=acme/tiny-llama@{commit}", "model.init=pretrained",
+                     cwd=tmp_path, env=offline)  # a pinned revision, found by its commit in the cache
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = shardtune("validate", "tiny-cpu", "model.path=acme/never-fetched", "model.init=pretrained",
+                     cwd=tmp_path, env=offline)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "HF_HUB_OFFLINE" in proc.stderr, proc.stderr
+    proc = shardtune("export", str(run / "checkpoints"), str(tmp_path / "again"), "--push-to-hub", "acme/tuned",
+                     cwd=tmp_path, env={**offline, "HF_HUB_OFFLINE": "0"})  # the Hub is down: the export stays
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot be reached" in proc.stderr, proc.stderr
+    assert (tmp_path / "again" / "model.safetensors").is_file()

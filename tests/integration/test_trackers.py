@@ -1,0 +1,91 @@
+"""train.report_to=[tensorboard,wandb,mlflow] through the CLI: W&B in offline mode and MLflow's folder store get the
+recipe as config and metrics.jsonl's records, from rank 0 only, and a resumed run continues the same tracker runs.
+A tracker that is not installed is one line naming the extra (validate and train)."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtune.config.load import load_recipe
+from tests.integration.runs import FAST, SHARDTUNE, metrics
+from tests.unit.cli_helpers import run_cli
+
+pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
+
+
+def train(run: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    for key in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        env.pop(key, None)  # the defaults: both stores inside the run directory
+    return subprocess.run([SHARDTUNE, "train", "tiny-cpu", f"train.output_dir={run}", *FAST, "train.save_every=2",
+                           "train.report_to=[tensorboard,wandb,mlflow]", *extra], capture_output=True, text=True,
+                          timeout=300, cwd=run.parent, env=env)
+
+
+def test_wandb_and_mlflow_get_the_recipe_and_metrics_and_resume_the_same_run(tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, "train.max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = json.loads((run / "trackers.json").read_text())
+    proc = train(run, "train.max_steps=4")  # resumes from step 2
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert json.loads((run / "trackers.json").read_text()) == ids
+    lines = metrics(run)
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    experiment = client.get_experiment_by_name("shardtune")
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [ids["mlflow"]]  # one run
+    history = client.get_metric_history(ids["mlflow"], "loss")
+    assert [(m.step, m.value) for m in history] == [(r["step"], r["loss"]) for r in lines]
+    params = client.get_run(ids["mlflow"]).data.params
+    lr = str(load_recipe("tiny-cpu").train.lr)
+    assert params["train.lr"] == lr and params["train.max_steps"] == "2"  # the recipe the run started with
+
+    offline = sorted((run / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    assert len(offline) == 2  # one file per process, one W&B run id
+    history = [r for f in offline for r in wandb_records(f) if r.WhichOneof("record_type") == "history"]
+    logged = [{i.key or "".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in history]
+    assert [(h["step"], h["loss"]) for h in logged] == [(r["step"], r["loss"]) for r in lines]
+    config = {i.key or "".join(i.nested_key): json.loads(i.value_json) for r in wandb_records(offline[0])
+              if r.WhichOneof("record_type") == "run" for i in r.run.config.update}
+    assert config["train"]["lr"] == float(lr) and config["train"]["report_to"] == ["tensorboard", "wandb", "mlflow"]
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a W&B offline run file: a 7-byte header (":W&B", magic, version), then LevelDB's log format
+    (32 KiB blocks of chunks: crc32c, length, type FULL/FIRST/MIDDLE/LAST) holding protobuf `Record`s."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, pos, out, pending = path.read_bytes(), 7, [], b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            out.append(Record.FromString(pending))
+    return out
+
+
+def test_a_tracker_not_installed_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import and find_spec see nothing
+    for command in ("validate", "train"):
+        code, _, err = run_cli([command, "tiny-cpu", "train.report_to=wandb", f"train.output_dir={tmp_path}"], capsys)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and "pip install 'shardtune[wandb]'" in lines[0], err
