@@ -34,7 +34,6 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
   note(device, op, label)            record an op issued on the current stream (simulated only; no-op elsewhere)
   tracked(work, device, label)       a collective's work whose wait() is recorded (simulated only)
   host_empty(numel, dtype, device)   a 1-D host buffer, pinned when the device is an accelerator
-  pinned_block_bytes(nbytes)         what the pinned host allocator takes for it (a power of two)
   to_device(tensor, device)          a host tensor (a batch) copied to the device without a host sync (via pinned)
   host_sync(kind) / host_syncs()     the simulated GPU's count of host synchronizations (TRACE "host_sync")
   has_pinned_memory(device)          whether torch can pin host memory for it (FSDP2's offload policy)
@@ -360,13 +359,6 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         staged = tensor.clone()
         _sim_pin(staged)
     return staged.to(device, non_blocking=True)
-
-
-def pinned_block_bytes(nbytes: int) -> int:
-    """Host memory a pinned buffer of `nbytes` takes: CUDA's caching host allocator rounds every block up to a power
-    of two (torch's default: no pinned_max_round_threshold_mb; a threshold below the cache limit is unsafe, its free
-    lists hand out blocks by power-of-two bucket). A 760 MiB shard takes 1 GiB. What plan and --simulate count."""
-    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 def has_pinned_memory(device: torch.device) -> bool:

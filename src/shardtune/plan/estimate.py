@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardtune.accelerator import pinned_block_bytes
 from shardtune.config.schema import Recipe
 from shardtune.engine.layout import UnitLayout
 from shardtune.plan.stats import DTYPES, ModelStats
@@ -268,21 +267,21 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
 
 def offloaded_host_bytes(units: list[UnitLayout], s: Setup) -> int:
     """cpu_offload's shards and sharded gradients on the host, as the engine allocates them: each shard a pinned
-    buffer (accelerator.pinned_block_bytes: a power of two on CUDA); each unit's reduced gradient copied into a pinned
-    buffer that becomes the fp32 gradient (reduce fp32), or is added into a pageable fp32 one (bf16: both alive
+    buffer (counted at its size: CUDA's caching host allocator rounds it up to a power of two, not modelled here);
+    each unit's reduced gradient copied into a pinned buffer that becomes the fp32 gradient (reduce fp32), or is added into a pageable fp32 one (bf16: both alive
     when the gradients are added); with reductions on several micro-steps, one more copy per unit waits to be added
     (engine/reduce.py `_add_earlier_copy`); the vocabulary tables' row gradients pageable fp32 (engine/vocab.py)."""
-    pinned = (lambda n: n) if s.device_is_cpu else pinned_block_bytes
     r = _size(s.reduce)
     later_copy = s.grad_accum > 1 and s.sync_every_microstep
     total = 0
     for u in units:
-        total += sum(pinned(f.shard_bytes()) for f in u.flats)
-        total += sum(4 * f.shard_numel for f in u.vocab if f.requires_grad)
+        total += sum(f.shard_bytes() for f in u.flats)
+        # Hybrid (replicas): the tables' row gradients are also summed in a host bucket (engine/replicated.py).
+        total += sum(4 * f.shard_numel for f in u.vocab if f.requires_grad) * (2 if s.world > s.shard_size else 1)
         if u.trainable is not None:
             n = u.trainable.shard_numel
-            total += pinned(4 * n) if r == 4 else 4 * n + pinned(r * n)
-            total += pinned(r * n) if later_copy else 0
+            total += 4 * n if r == 4 else 4 * n + r * n
+            total += r * n if later_copy else 0
     return total
 
 

@@ -13,7 +13,7 @@ How, and what it leaves out:
   - The step runs min(grad_accum, 2) micro-steps: the plan's peak depends on grad_accum only through "earlier
     micro-steps' gradients exist" (> 1), which the second micro-step already has.
   - Offloaded host buffers (`accelerator.host_empty`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
-    cannot be allocated here. Each is a block of the pinned allocator's size (accelerator.pinned_block_bytes). Ops on them stay host (counted apart, as host bytes); their non-blocking `.to()` (the
+    cannot be allocated here. Ops on them stay host (counted apart, as host bytes); their non-blocking `.to()` (the
     engine's H2D copy, flat_param.shard_on_device) makes a new device tensor, as the copy on a GPU does.
   - SDPA takes the kernel CUDA would (`_cuda_sdpa`: flash without a mask; with the packing mask the memory-efficient
     kernel and its per-layer bias), not the math path torch picks on meta.
@@ -88,12 +88,9 @@ def _is_host(t: torch.Tensor | None) -> bool:
 
 
 def _host_empty(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
-    """A pinned host buffer as CUDA's caching host allocator makes it: a block rounded up to a power of two."""
     _HOST.depth = getattr(_HOST, "depth", 0) + 1
     try:
-        size = dtype.itemsize
-        block = torch.empty(accelerator.pinned_block_bytes(numel * size) // size, dtype=dtype, device="meta")
-        return torch.Tensor._make_subclass(HostMeta, block[:numel])
+        return torch.Tensor._make_subclass(HostMeta, torch.empty(numel, dtype=dtype, device="meta"))
     finally:
         _HOST.depth -= 1
 
