@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -44,12 +45,22 @@ def main(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     _silence_process_logs()
+    # Ctrl-C reaches every process of the terminal's group: the workers stop at a step boundary and checkpoint
+    # (signals.py); the agent waits for them instead of shutting them down (torch's default handles SIGINT so).
+    # The launcher sends SIGINT to the workers itself when only it was interrupted (launch.py).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        run(parse_args(args))
+        run(parse_args(["--signals-to-handle=SIGTERM,SIGHUP,SIGQUIT", *args]))  # torch's default adds SIGINT
     except ChildFailedError as e:
         host = socket.gethostname()
+        codes = {f.exitcode for f in e.failures.values()}
+        # No signal reached the agent (that is SignalException, below): after the first failure it stopped the
+        # other workers with SIGTERM itself. Those are consequences, marked so the launcher blames the first.
+        by_agent = codes != {-signal.SIGTERM}
         failures = [{"rank": rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "pid": f.pid,
-                     "timestamp": f.timestamp, "host": host} for rank, f in sorted(e.failures.items())]
+                     "timestamp": f.timestamp, "host": host,
+                     "stopped_by_agent": by_agent and f.exitcode == -signal.SIGTERM}
+                    for rank, f in sorted(e.failures.items())]
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(json.dumps({"failures": failures}, indent=1))
         return 1

@@ -59,7 +59,10 @@ def train(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
 
     cfg = load_recipe_config(recipe, overrides or [])
     trust = any(o.split("=", 1)[0].strip() == "hardware.host_ram_gb" for o in overrides or [])
-    raise typer.Exit(launch_train(cfg, check=not no_check, fit=fit, trust_host_ram=trust))
+    code = launch_train(cfg, check=not no_check, fit=fit, trust_host_ram=trust)
+    if code == 130:  # Ctrl-C, after the workers checkpointed: the launcher has said so, with the step
+        raise _Reported(code)
+    raise typer.Exit(code)
 
 
 VALIDATE_HELP = (
@@ -317,9 +320,13 @@ def main() -> None:
     except KeyboardInterrupt:  # only outside typer's own handling (e.g. while a command's imports ran)
         sys.exit(_interrupted())
     except SystemExit as e:
-        if e.code == 130:  # typer turns Ctrl-C into a silent exit 130: say why the command stopped
+        if e.code == 130 and not isinstance(e, _Reported):  # typer turns Ctrl-C into a silent exit 130: say why the command stopped
             _interrupted()
         raise
+
+
+class _Reported(SystemExit):
+    """An exit whose reason the command has already printed."""
 
 
 def _interrupted() -> int:

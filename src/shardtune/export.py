@@ -30,7 +30,11 @@ def save_final(sharded: ShardedModel, hf_model: PreTrainedModel, tok: PreTrained
         return
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
+    try:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: no half-written file left behind
+        raise
     tmp.replace(out / "model.safetensors")  # atomic: a crash never leaves a half-written model file
     hf_model.config.save_pretrained(out)
     if hf_model.generation_config is not None:

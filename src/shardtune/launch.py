@@ -7,6 +7,7 @@ message (a signal, a native crash) is one line from the agent's report (agent.py
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,7 +20,10 @@ from omegaconf import DictConfig
 from shardtune.checkpoint.paths import explicit_resume_dir
 from shardtune.config.load import to_recipe, to_yaml
 from shardtune.config.schema import Recipe, check_world
+from shardtune.disk import write_text_atomic
 from shardtune.errors import UserError
+from shardtune.model_limits import check_model_limits
+from shardtune.run_lock import RunLock
 from shardtune.worker_deaths import describe, first_failure, last_traceback, rank_log, read_report
 
 USER_ERROR_FILE = ".user_error"
@@ -87,15 +91,33 @@ def torchrun_command(recipe: Recipe, recipe_file: Path, nproc: int, report: Path
 
 
 def _forward_stop_signals(proc: subprocess.Popen) -> None:
-    """SIGTERM/SIGUSR1/SIGINT to the launcher -> SIGTERM to torchrun, which passes it to every worker: they finish
-    the step, checkpoint and exit 75. (torchrun has no SIGUSR1 handler: forwarded as is, it would just die.)"""
+    """A stop signal to the launcher reaches every worker, which finishes the step, checkpoints and exits (75, or
+    130 for SIGINT) saying which signal it got. SIGTERM goes to torchrun's agent, which passes it on. SIGINT and
+    SIGUSR1 go to the workers themselves: the agent ignores both (SIGINT so that Ctrl-C, which a terminal sends to
+    every process of the group, stops the workers gracefully instead of the agent killing them). Without /proc
+    to find the workers, the agent gets SIGTERM."""
 
     def forward(signum: int, frame: object) -> None:
-        if proc.poll() is None:
+        if proc.poll() is not None:
+            return
+        workers = _children(proc.pid) if signum != signal.SIGTERM else []
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        if not workers:
             proc.send_signal(signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, forward)
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux /proc; [] elsewhere)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trust_host_ram: bool = False) -> int:
@@ -120,6 +142,11 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trus
     missing = tracker_problems(recipe.train.report_to)
     if missing:  # before any worker starts
         raise UserError(missing[0])
+    check_model_limits(recipe)
+    if recipe.launch.is_first_node():  # the nodes read the same files: one refusal, before any worker starts
+        from shardtune.data.check import check_data_head
+
+        check_data_head(recipe.data)
     header = ""
     if check or fit:
         from shardtune.preflight import preflight
@@ -132,14 +159,22 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trus
             recipe = to_recipe(cfg)
             nproc = check_launch(recipe)
             header = "# engine/train settings chosen by `shardtune train --fit` (plan --fit's fastest fitting one)\n"
-    from shardtune.resume_check import check_resume
+    # Held from before the run directory is read (resume checks) until the workers are gone.
+    with RunLock(Path(recipe.train.output_dir)) if recipe.launch.is_first_node() else contextlib.nullcontext():
+        return _start(cfg, recipe, nproc, header)
+
+
+def _start(cfg: DictConfig, recipe: Recipe, nproc: int, header: str) -> int:
+    """Check the run directory against the recipe, write recipe.yaml, run the agent; the run's exit code."""
+    from shardtune.resume_check import check_rerun, check_resume
 
     cfg = check_resume(cfg, recipe, nproc * recipe.launch.nnodes)  # exit 2 for a checkpoint of another run
+    check_rerun(cfg)  # exit 2 for a finished run of other data, without a checkpoint
     recipe = to_recipe(cfg)
     run_dir = Path(recipe.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
-    recipe_file.write_text(header + to_yaml(cfg))  # resolved: every default and override, so a run is reproducible
+    write_text_atomic(recipe_file, header + to_yaml(cfg))  # resolved: every default and override: reproducible
     (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
     (run_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
     env = dict(os.environ)

@@ -47,18 +47,34 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     # a hub id's weights are fetched by the trainer (hub.fetch_for_ranks), not by plan or validate
     if cfg.init == "pretrained" and not is_hub_id(cfg.path) and not any(Path(cfg.path).glob("*.safetensors")):
         raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
-    try:
-        model = build_empty(lambda: AutoModelForCausalLM.from_config(
-            hf_config, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation)))
-    except ValueError as e:
-        if "attention implementation" not in str(e):
-            raise
-        raise UserError(f"model.attn_implementation: {hf_config.model_type} has no '{cfg.attn_implementation}' "
-                        "attention in transformers: set model.attn_implementation=eager") from None
+    model = build_empty(lambda: from_config(cfg, hf_config, dtype=dtype,
+                                            attn=attn_implementation(cfg.attn_implementation)))
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)
     return model.to(device)  # the buffers (parameters are there already)
+
+
+def from_config(cfg: ModelConfig, hf_config: PretrainedConfig, *, dtype: torch.dtype,
+                attn: str | None = None) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_config` (`attn`: the attention implementation, default model.attn_implementation).
+    A config transformers cannot build from (an activation it does not know, a missing dimension) fails in the
+    model's constructor: that is the config's fault, one line naming the value."""
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
+                                                attn_implementation=attn or cfg.attn_implementation)
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError, NotImplementedError) as e:
+        if isinstance(e, ValueError) and "attention implementation" in str(e):
+            raise UserError(f"model.attn_implementation: {hf_config.model_type} has no "
+                            f"'{attn or cfg.attn_implementation}' attention in transformers: set "
+                            "model.attn_implementation=eager") from None
+        key = "model.config" if cfg.config else "model.path"
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        named = [f"{k}={v!r}" for k, v in hf_config.to_dict().items()
+                 if isinstance(e, KeyError) and e.args and isinstance(v, str) and v == e.args[0]]
+        what = f"its {', '.join(named)} is unknown to transformers" if named else f"transformers failed ({detail})"
+        raise UserError(f"{key}: cannot build a {getattr(hf_config, 'model_type', '?')} model from "
+                        f"'{cfg.config or cfg.path}': {what}: fix that value in its config.json") from None
 
 
 def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

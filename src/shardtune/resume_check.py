@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, newest_complete
 from shardtune.config.schema import Recipe
+from shardtune.disk import disk_full, no_space_line, write_text_atomic
 from shardtune.errors import UserError
 from shardtune.hub import model_dir
 
@@ -29,7 +30,7 @@ from shardtune.hub import model_dir
 INCOMPATIBLE = ("model.architecture", "model.path", "model.init", "model.dtype", "model.tokenizer", "lora.enabled",
                 "lora.r", "lora.target_modules", "lora.quantize_base")
 # Keys whose change means other rows or another loss from here on.
-DATA = ("data.path", "data.format", "data.fields", "data.seq_len", "data.packing", "data.num_samples",
+DATA = ("data.path", "data.format", "data.fields", "data.seq_len", "data.packing", "data.long_docs", "data.num_samples",
         "data.eval_fraction", "model.chat_template", "train.seed", "lora.alpha", "global_batch", "train.objective",
         "dpo.beta", "dpo.loss", "dpo.label_smoothing", "dpo.sft_warmup_steps", "dpo.precompute_reference")
 # Not compared with the previous recipe: where and how this launch runs, and the resume choice itself.
@@ -77,7 +78,7 @@ def fingerprint(recipe: Recipe, world_size: int) -> dict[str, Any]:
             "lora.target_modules": list(lora.target_modules) if lora.enabled else None,
             "lora.quantize_base": lora.quantize_base, "lora.alpha": lora.alpha if lora.enabled else None,
             "data.path": d.path, "data.format": d.format, "data.fields": fields, "data.seq_len": d.seq_len,
-            "data.packing": d.packing, "data.num_samples": d.num_samples if "builtin:" in str(d.path)
+            "data.packing": d.packing, "data.long_docs": d.long_docs, "data.num_samples": d.num_samples if "builtin:" in str(d.path)
             else None, "data.eval_fraction": d.eval_fraction,
             "model.chat_template": m.chat_template, "train.seed": t.seed, "train.objective": t.objective,
             **_objective(recipe),
@@ -121,6 +122,33 @@ def check_resume(cfg: DictConfig, recipe: Recipe, world_size: int) -> DictConfig
     if recipe.launch.is_first_node():  # one writer of the shared run directory's history (multi-node jobs)
         _keep_recipe_history(cfg, ckpt, other)
     return cfg
+
+
+def check_rerun(cfg: DictConfig) -> None:
+    """Exit 2 when train.output_dir holds a run that trained (metrics.jsonl, final/) but left no checkpoint to
+    resume, and this recipe is of another model or other data: starting over would truncate its metrics.jsonl and
+    replace its final/ without a word. As for a checkpoint: train.resume=force goes ahead, and so does
+    train.resume=none (start over on purpose)."""
+    recipe = _to_recipe(cfg)
+    run_dir = Path(recipe.train.output_dir)
+    prev_file = run_dir / "recipe.yaml"
+    metrics = run_dir / "metrics.jsonl"
+    trained = (metrics.is_file() and metrics.stat().st_size > 0) or (run_dir / "final").is_dir()
+    if recipe.train.resume != "auto" or resume_checkpoint(recipe) is not None or not trained or not prev_file.is_file():
+        return
+    try:
+        prev = _to_recipe(OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(prev_file)))
+    except Exception:  # written by another version of the schema: not comparable, say so rather than guess
+        prev = None
+    world = 1  # the batch split is not compared: without a checkpoint nothing continues
+    old, new = (fingerprint(prev, world), fingerprint(recipe, world)) if prev is not None else ({}, {})
+    changed = _changes(tuple(k for k in INCOMPATIBLE + DATA if k != "global_batch"), old, new)
+    if prev is not None and not changed:
+        return
+    what = "; ".join(changed) or f"its {prev_file} is not readable by this version"
+    raise UserError(f"train.output_dir: '{run_dir}' holds a finished run of another model or other data ({what}) "
+                    "and no checkpoint: use a new train.output_dir, or set train.resume=none to start over there "
+                    "(its metrics.jsonl and final/ are replaced)")
 
 
 def _to_recipe(cfg: DictConfig) -> Recipe:
@@ -179,12 +207,15 @@ def _keep_recipe_history(cfg: DictConfig, ckpt: Path, forced: list[str]) -> None
     if not changed and not forced:
         return
     history = run_dir / "recipes"
-    history.mkdir(exist_ok=True)
+    try:
+        history.mkdir(exist_ok=True)
+    except OSError as e:
+        raise UserError(no_space_line(history) if disk_full(e) else f"cannot create {history}: {e.strerror}") from None
     keep = history / f"{ckpt.name}.yaml"
     n = 2
     while keep.exists():  # resumed at this step before: keep every version
         keep, n = history / f"{ckpt.name}.{n}.yaml", n + 1
-    keep.write_text(prev_file.read_text())
+    write_text_atomic(keep, prev_file.read_text())  # a full disk: one line, and no empty step_N.yaml left
     named = {c.split(" ")[0] for c in changed}
     what = "; ".join(changed + [f for f in forced if f.split(" ")[0] not in named])
     print(f"resume from {ckpt.name} with changes ({what}); the previous recipe is kept as {keep}", file=sys.stderr)

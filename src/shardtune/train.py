@@ -30,7 +30,7 @@ from shardtune.parallelize import parallelize
 from shardtune.resume_check import fingerprint
 from shardtune.runtime import Runtime, all_reduce_max, init_runtime
 from shardtune.schedule import build_scheduler
-from shardtune.signals import EXIT_DIVERGED, EXIT_PREEMPTED, StopRequest
+from shardtune.signals import EXIT_DIVERGED, StopRequest, stop_message
 
 
 class TrainingStopped(Exception):
@@ -97,8 +97,8 @@ def train(recipe: Recipe) -> dict:
             save_checkpoint(run, step + 1)
         if stopping:
             log.close(run.run_dir)
-            raise TrainingStopped(f"stopped by signal {stop.signum} after step {step + 1}; checkpoint: "
-                                  f"{run.checkpoints.latest_name() or 'none (train.save_every=0)'}", EXIT_PREEMPTED)
+            raise TrainingStopped(*stop_message(stop.signum, step + 1, run.checkpoints.latest_name()
+                                                or "none (train.save_every=0)"))
 
     if tracker is not None:
         tracker.stop()  # the dispatch mode costs Python work per op: not during export and decoding

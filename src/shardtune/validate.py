@@ -3,13 +3,14 @@ schedule. Each problem is one line; the command prints them all and exits 2 (a s
 so a 1 GB file costs what a small one does)."""
 from __future__ import annotations
 
-from shardtune.config.schema import Recipe
+from shardtune.config.schema import ModelConfig, Recipe
 from shardtune.errors import UserError
 
 
 def recipe_problems(recipe: Recipe) -> list[str]:
     from shardtune.data.check import data_problems
-    from shardtune.model import build_tokenizer, load_config
+    from shardtune.model import build_tokenizer
+    from shardtune.model_limits import seq_len_problem
     from shardtune.moe_checks import model_problems
     from shardtune.trackers import tracker_problems
 
@@ -18,11 +19,9 @@ def recipe_problems(recipe: Recipe) -> list[str]:
     if t.max_steps is not None and t.warmup_steps >= t.max_steps:
         problems.append(f"train.warmup_steps={t.warmup_steps} >= train.max_steps={t.max_steps}: the learning rate "
                         "would never leave warmup; lower train.warmup_steps")
+    problems += [p for p in [seq_len_problem(recipe)] if p]
     try:
-        positions = getattr(load_config(recipe.model), "max_position_embeddings", None)
-        if positions is not None and recipe.data.seq_len > positions:
-            problems.append(f"data.seq_len={recipe.data.seq_len} exceeds the model's max_position_embeddings="
-                            f"{positions}: set data.seq_len <= {positions}")
+        build_on_meta(recipe.model)
         problems += model_problems(recipe)
     except UserError as e:
         problems.append(str(e))
@@ -31,3 +30,15 @@ def recipe_problems(recipe: Recipe) -> list[str]:
     except UserError as e:
         return [*problems, str(e)]
     return problems + [line for p in data_problems(recipe.data, tok) for line in p.splitlines()]
+
+
+def build_on_meta(cfg: ModelConfig) -> None:
+    """Build the model as training will, on the meta device (no memory, ~1 s beyond the imports): a config
+    transformers reads but cannot build from fails here, as one line, not in every rank."""
+    import torch
+
+    from shardtune.model import DTYPES, from_config, load_config
+
+    hf_config = load_config(cfg)
+    with torch.device("meta"):
+        from_config(cfg, hf_config, dtype=DTYPES[cfg.dtype])

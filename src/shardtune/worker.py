@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -10,14 +11,20 @@ from pathlib import Path
 
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe
+from shardtune.disk import disk_full, no_space_line
 from shardtune.errors import UserError
 from shardtune.voice import one_line_warnings
 
 
 def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     """Train; a user error is printed (one line), or written to `error_file` when the launcher will print it."""
-    from shardtune.train import TrainingStopped, train
-
+    try:
+        from shardtune.train import (  # torch, transformers: seconds in which Ctrl-C may come
+            TrainingStopped,
+            train,
+        )
+    except KeyboardInterrupt:
+        return _interrupted_in_setup(error_file)
     one_line_warnings(rank=int(os.environ.get("RANK", "0")), others_to_log=error_file is not None)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     # DCP's own planner warns about its internal ShardedTensor path on every load (4 lines per resume): nothing a
@@ -26,24 +33,48 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
                             module=r"torch\.distributed\.checkpoint")
     try:
         train(recipe)
+    except KeyboardInterrupt:  # Ctrl-C while setting up, before train() handles SIGINT itself
+        return _interrupted_in_setup(error_file)
     except TrainingStopped as e:  # preempted (checkpoint saved) or diverged: a message, a documented code
         import torch.distributed as dist
 
-        if error_file is None:
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                print(f"shardtune: {e}", file=sys.stderr, flush=True)
-        else:  # the launcher prints it once and exits with this code (torchrun alone would say 1)
-            error_file.with_name(".exit_code").write_text(f"{e.code}\n{e}")
+        if error_file is not None:  # the launcher prints it once and exits with this code (torchrun would say 1)
+            _say(f"shardtune: {e}", error_file.with_name(".exit_code"), f"{e.code}\n{e}")
+        elif not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"shardtune: {e}", file=sys.stderr, flush=True)
         return e.code
-    except UserError as e:
-        if error_file is None:
-            print(f"error: {e}", file=sys.stderr)
-        else:
-            error_file.write_text(str(e))
+    except Exception as e:
+        if not isinstance(e, UserError) and not disk_full(e):
+            raise
+        if not isinstance(e, UserError):  # metrics, final/, the data cache: as the launcher says it
+            e = UserError(no_space_line(getattr(e, "filename", None) or recipe.train.output_dir))
+        _say(f"error: {e}", error_file, str(e))
         return 2
     finally:
         _release_process_groups()
     return 0
+
+
+def _interrupted_in_setup(error_file: Path | None) -> int:
+    from shardtune.signals import stop_message
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's forwarded copy must not interrupt this
+    message, code = stop_message(signal.SIGINT, 0, "none")
+    if error_file is not None or int(os.environ.get("RANK", "0")) == 0:
+        _say(f"shardtune: {message}", error_file and error_file.with_name(".exit_code"), f"{code}\n{message}")
+    return code
+
+
+def _say(line: str, file: Path | None, text: str) -> None:
+    """Hand `text` to the launcher in `file`; on the console when there is no launcher, or when the run directory
+    cannot take even that (a full disk): the launcher then relays this console line."""
+    if file is not None:
+        try:
+            file.write_text(text)
+            return
+        except OSError:
+            pass
+    print(line, file=sys.stderr, flush=True)
 
 
 def _release_process_groups() -> None:
@@ -86,15 +117,20 @@ def main() -> None:
     parser.add_argument("recipe", help="the resolved recipe.yaml the launcher wrote")
     parser.add_argument("--error-file", type=Path, default=None, help="write a user error here instead of stderr")
     args = parser.parse_args()
+    # The agent ignores SIGINT (agent.py) and its workers inherit that: Ctrl-C must still stop a worker that is
+    # setting up (KeyboardInterrupt); train() then turns it into a stop at a step boundary.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.error_file is not None:  # started by our launcher, which reports deaths from the ranks' logs
         from shardtune.worker_deaths import rank_log
 
         _stderr_to_log(rank_log(args.error_file.parent, int(os.environ.get("RANK", "0"))))
     try:
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe)  # imports torch: seconds in which Ctrl-C may come
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(_interrupted_in_setup(args.error_file))
     sys.exit(run_worker(recipe, args.error_file))
 
 

@@ -54,11 +54,12 @@ def _signal_name(exitcode: int) -> str:
 
 
 def first_failure(failures: list[dict], run_dir: Path) -> dict:
-    """The root cause: a rank killed by a signal, then one whose log does not end on a lost peer (those fail on
+    """The root cause: never a rank the agent itself stopped after another failed (agent.py); first a rank killed
+    by a signal, then one whose log does not end on a lost peer (those fail on
     the broken connection of a rank that died), then the earliest (torch's timestamps are whole seconds: a rank
     that lost its peer in the same second as the real failure must not be blamed)."""
-    return min(failures, key=lambda f: (f["exitcode"] >= 0, _lost_a_peer(rank_log(run_dir, f["rank"])),
-                                        f["timestamp"], f["rank"]))
+    return min(failures, key=lambda f: (f.get("stopped_by_agent", False), f["exitcode"] >= 0,
+                                        _lost_a_peer(rank_log(run_dir, f["rank"])), f["timestamp"], f["rank"]))
 
 
 def last_traceback(log: Path) -> str:
@@ -89,4 +90,6 @@ def describe(failures: list[dict], run_dir: Path, world_size: int) -> tuple[int,
                                       f"{log}{others}")
         return 1, (f"rank {rank} on {host} failed with an internal error: traceback in {log} (please report it)"
                    f"{others}")
+    if code == 2:  # a user error the worker could not hand over (a full disk): it printed it above
+        return 2, f"rank {rank} on {host} stopped on the error above{others}"
     return EXIT_WORKER_DIED, f"rank {rank} on {host} exited with code {code} without a message: see {log}{others}"

@@ -5,6 +5,8 @@ import math
 import os
 import shutil
 import signal
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -83,7 +85,7 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     last = metrics(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{last}" / "trainer.json").exists()
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{last}"
-    assert "stopped by signal" in err
+    assert "stopped by signal SIGTERM after step" in err  # the signal by name
 
 
 @pytest.mark.parametrize("nproc,micro", [(1, 8), (4, 4)], ids=["2to1", "2to4"])
@@ -218,3 +220,79 @@ def test_nonfinite_loss_stops_with_exit_4_or_skips(tmp_path):
 def test_resume_of_a_bad_path_is_a_user_error(tmp_path):
     proc = cli(*train_args(tmp_path / "r", f"train.resume={tmp_path}"), cwd=tmp_path)
     assert proc.returncode == 2 and "train.resume" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("when", ["training", "setup", "launcher"])
+def test_ctrl_c_checkpoints_and_exits_130(tmp_path, when):
+    """Ctrl-C on a terminal: SIGINT to every process of the group (launcher, agent, workers) at once, after a step
+    or while the workers are still importing torch and building the model; or (`launcher`) SIGINT to the launcher
+    alone, as `kill -INT` does, which it passes on to the workers itself."""
+    run_dir = tmp_path / "run"
+    proc = start(*train_args(run_dir, "train.save_every=1000", "train.max_steps=500"), cwd=tmp_path)
+    if when == "setup":
+        wait_for(lambda: (run_dir / "logs").is_dir(), what="the workers' start")
+    else:
+        wait_for(lambda: len(metrics(run_dir)) >= 1, what="a step")
+    if when == "launcher":
+        os.kill(proc.pid, signal.SIGINT)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # start() made the launcher its group's leader
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    last = metrics(run_dir)[-1]["step"] if metrics(run_dir) else 0  # the stop comes at a step boundary
+    if last == 0:  # still setting up (a loaded machine may take longer: then it is the case above)
+        assert lines == ["shardtune: interrupted (Ctrl-C, SIGINT) before the first step; checkpoint: none"], err
+        return
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{last}"
+    assert (run_dir / "checkpoints" / f"step_{last}" / "trainer.json").exists()
+    assert lines == [f"shardtune: interrupted (Ctrl-C, SIGINT) after step {last}; checkpoint: step_{last}"], err
+
+
+def test_a_run_directory_in_use_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text(f"{socket.gethostname()} {os.getpid()}\n")  # this test's process: alive
+    proc = cli(*train_args(run_dir), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: train.output_dir: '{run_dir}' is in use by a "
+                                                            f"run on {socket.gethostname()} (pid {os.getpid()})")
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "recipe.yaml").exists()
+
+
+def test_a_finished_run_of_other_data_without_a_checkpoint_is_kept(reference, tmp_path):
+    """A run with train.save_every=0 leaves recipe.yaml, metrics.jsonl and final/: a launch with other data into
+    it is refused as resuming its checkpoint would be, instead of truncating metrics.jsonl and replacing final/."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference / "final", run_dir / "final")
+    for name in ("recipe.yaml", "metrics.jsonl"):
+        shutil.copy(reference / name, run_dir / name)
+    proc = cli(*train_args(run_dir, "data.num_samples=200"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "holds a finished run" in last and "data.num_samples 300 -> 200" in last, last
+    assert (run_dir / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
+
+
+def test_a_full_disk_while_keeping_the_recipe_history_is_one_line(reference, tmp_path):
+    """Resuming with another train.lr keeps the previous recipe as recipes/step_6.yaml: on a full disk that is one
+    line naming the file and "no space left", exit 2, and no empty step_6.yaml is left."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("needs root, to mount a small tmpfs")
+    try:
+        run_dir = disk / "run"
+        shutil.copytree(reference / "checkpoints" / "step_6", run_dir / "checkpoints" / "step_6")
+        (run_dir / "checkpoints" / "latest").write_text("step_6")
+        shutil.copy(reference / "recipe.yaml", run_dir / "recipe.yaml")
+        page = os.statvfs(disk).f_frsize
+        (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - page))  # the run lock's page is left
+        proc = cli(*train_args(run_dir, "train.lr=1e-3", "train.max_steps=8"), cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: no space left on device writing {run_dir / 'recipes' / 'step_6.yaml'}: free some space there, "
+            "or use another train.output_dir")
+        assert not any((run_dir / "recipes").iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -101,11 +101,12 @@ def test_rows_without_rejected_are_one_line_exit_2(tmp_path, capsys):
                           text=True, timeout=120, cwd=tmp_path)
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(err) == 1 and "rejected" in err[0], proc.stderr
-    # in-process (same main()): one row with rejected null
+    # in-process (same main()): one row with rejected null, named as validate names it (prepare reads the head first)
     for missing in ("rejected", "chosen"):
         code, _, err = run_cli(_write(tmp_path, [good, {**good, missing: None}]), capsys)
         lines = [ln for ln in err.splitlines() if ln.strip()]
-        assert code == 2 and len(lines) == 1 and f"row 1 has no '{missing}'" in lines[0], err
+        assert code == 2 and len(lines) == 1 and f"line 2, column '{missing}'" in lines[0], err
+        assert "missing or null" in lines[0], err
 
 
 def test_identical_pairs_are_dropped_counted_and_warned(tmp_path, capsys):

@@ -75,9 +75,9 @@ def test_only_the_first_nodes_launcher_prints_the_fitting_line(tmp_path, capsys,
     lines = {}
     for node in ("1", "0"):
         monkeypatch.setenv("SLURM_NODEID", node)
-        code, out, _ = run_cli(["train", "tiny-cpu", f"train.output_dir={tmp_path / 'run'}", "launch.device=cpu",
+        code, out, err = run_cli(["train", "tiny-cpu", f"train.output_dir={tmp_path / 'run'}", "launch.device=cpu",
                                 *args], capsys)
-        assert code == 0, out
+        assert code == 0, out + err
         lines[node] = [ln for ln in out.splitlines() if ln.startswith("pre-flight")]
     assert lines["1"] == [] and len(lines["0"]) == 1 and "fits" in lines["0"][0]
     assert ("a bound from the model config" in lines["0"][0]) == (args == [])

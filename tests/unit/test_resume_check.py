@@ -58,11 +58,12 @@ def test_a_lora_rank_change_is_another_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("override,key", [
     ("data.seq_len=32", "data.seq_len 64 -> 32"),
-    ("data.format=text", "data.format 'instruction' -> 'text'"),
+    ("data.packing=false", "data.packing True -> False"),  # another format: the data check refuses it first
+    ("data.long_docs=split", "data.long_docs 'truncate' -> 'split'"),
     ("train.seed=1", "train.seed 0 -> 1"),
     ("train.micro_batch_size=4", "global_batch 16 -> 8"),
     ("model.chat_template=chatml", "model.chat_template None -> 'chatml'"),
-], ids=["seq_len", "format", "seed", "global-batch", "chat-template"])
+], ids=["seq_len", "packing", "long-docs", "seed", "global-batch", "chat-template"])
 def test_other_data_is_exit_2_unless_forced(run_dir, capsys, override, key):
     code, err = train(run_dir, capsys, override)
     assert code == 2 and key in err and "train.resume=force" in err, err

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 
 from shardtune import accelerator
 from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, is_complete, newest_complete
+from shardtune.disk import disk_full, nearly_full, no_space_line, write_text_atomic
 
 
 def _fsync_tree(path: Path) -> None:
@@ -44,12 +45,14 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
+def _first_line(e: BaseException) -> str:
+    """DCP's exception says only which ranks failed on its first line: take the first rank's own exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else e
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return str(e).splitlines()[0][:200] if str(e) else ""
 
 
 def _agree_ok(ok: bool) -> bool:
@@ -105,7 +108,8 @@ class CheckpointManager:
                     write_hf(tmp / "hf")
                 _fsync_tree(tmp)
         except (Exception, dcp.CheckpointException) as e:  # OSError (disk full); DCP's wrapper is a BaseException
-            ok, err = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            full = disk_full(e) or nearly_full(tmp)
+            ok, err = False, (no_space_line(tmp) if full else f"{type(e).__name__}: {_first_line(e)}")
         if not _agree_ok(ok):
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -115,11 +119,11 @@ class CheckpointManager:
             _barrier()
             return None
         if self.is_main:
-            _write_atomic(tmp / TRAINER_FILE, json.dumps({"step": step, **export_info}, indent=1))
+            write_text_atomic(tmp / TRAINER_FILE, json.dumps({"step": step, **export_info}, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
-            _write_atomic(self.root / "latest", final.name)
+            write_text_atomic(self.root / "latest", final.name)
             self._prune()
         _barrier()
         return final

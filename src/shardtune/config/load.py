@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from shardtune.bundled import DATA_DIR, RECIPES_DIR
 from shardtune.config.model_folder import apply_model_folder
+from shardtune.config.overrides import parse_overrides
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
 from shardtune.hub import is_hub_id
@@ -90,16 +91,6 @@ _ONE_COLUMN = ("data.prompt_field", "data.response_field", "data.input_field", "
                "data.messages_field", "data.chosen_field", "data.rejected_field")
 
 
-def _parse_overrides(overrides: list[str]) -> DictConfig:
-    for o in overrides:
-        if "=" not in o or o.startswith("="):
-            raise UserError(f"override '{o}' is not KEY=VALUE: write e.g. train.lr=1e-4")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as e:
-        raise UserError(f"overrides: {str(e).splitlines()[0]}: write KEY=VALUE, e.g. train.lr=1e-4") from None
-
-
 def _path_keys(cfg: DictConfig) -> list[str]:
     """PATH_KEYS, with `data.path` as `data.path[i].path` when it is a list of datasets."""
     data_path = OmegaConf.select(cfg, "data.path")
@@ -154,7 +145,7 @@ def load_recipe_config(recipe: str | Path, overrides: list[str] = ()) -> DictCon
     except OmegaConfBaseException as e:
         raise _friendly(e, str(path)) from None
     try:
-        cfg = OmegaConf.merge(cfg, _parse_overrides(list(overrides)))
+        cfg = OmegaConf.merge(cfg, parse_overrides(list(overrides)))
     except OmegaConfBaseException as e:
         raise _friendly(e, "override") from None
     try:

@@ -7,9 +7,10 @@ sample looks trainable. What a sample cannot see (a bad line deep in a file) `pr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads files without transformers (~2 s)
+    from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
 from shardtune.data.fields import resolve_fields
@@ -34,6 +35,31 @@ def data_problems(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> list[str]:
         for sample in samples:
             problems += [p.replace("data.path", label, 1) for p in _sample_problems(src, sample, tok)]
     return problems
+
+
+def check_data_head(cfg: DataConfig) -> None:
+    """`train`'s launcher, before any worker starts: the head of every data file read and mapped as `validate`
+    reads it (encoding, JSON, empty files, missing or non-text fields), without the tokenizer (no transformers
+    import: a few ms per file). The first problem is the UserError; tokenizing is left to the workers."""
+    for i, (src, _) in enumerate(sources(cfg)):
+        label = f"data.path[{i}]" if is_mix(cfg) else "data.path"
+        if is_saved_dataset(Path(str(src.path))):
+            continue  # `datasets` would be imported to read it: the workers check it
+        for sample in _samples(src):
+            problems = _head_problems(src, sample)
+            if problems:
+                raise UserError(problems[0].replace("data.path", label, 1))
+
+
+def _head_problems(cfg: DataConfig, sample: Sample) -> list[str]:
+    where = f"'{sample.file}'"
+    if not sample.rows:
+        return [f"data.path: {where} has no rows in its first part: check the file's format"]
+    try:
+        cfg = resolve_fields(cfg, sample.columns, where=f"data.path {where}")
+    except UserError as e:
+        return [str(e)]
+    return _row_problems(cfg, sample, where)
 
 
 def _samples(cfg: DataConfig) -> list[Sample]:
@@ -66,15 +92,10 @@ def _samples(cfg: DataConfig) -> list[Sample]:
 
 def _sample_problems(cfg: DataConfig, sample: Sample, tok: PreTrainedTokenizerBase) -> list[str]:
     where = f"'{sample.file}'"
-    if not sample.rows:
-        return [f"data.path: {where} has no rows in its first part: check the file's format"]
-    try:
-        cfg = resolve_fields(cfg, sample.columns, where=f"data.path {where}")
-    except UserError as e:
-        return [str(e)]
-    problems = _row_problems(cfg, sample, where)
+    problems = _head_problems(cfg, sample)
     if problems:
         return problems
+    cfg = resolve_fields(cfg, sample.columns, where=f"data.path {where}")
     rows = [r for _, r in sample.rows[:TOKENIZE_ROWS]]
     try:
         encoded = encode_batch({c: [r.get(c) for r in rows] for c in sample.columns}, cfg, tok)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads files without transformers (~2 s)
+    from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
 from shardtune.data.templates import render_prompt

@@ -23,6 +23,7 @@ from shardtune.data.rows import PackedRows, open_documents
 from shardtune.data.sample import (
     SUFFIX_TO_BUILDER,
     check_not_empty,
+    check_utf8,
     data_files,
     find_bad_json_line,
     is_saved_dataset,
@@ -122,8 +123,12 @@ def load_raw(cfg: DataConfig, seed: int, *, scratch: Path | None = None) -> Any:
             files = data_files(path)
             for f in files:
                 check_not_empty(f)
-            ds = datasets.load_dataset(SUFFIX_TO_BUILDER[files[0].suffix], data_files=[str(f) for f in files],
-                                       split="train", cache_dir=str(scratch) if scratch else None)
+                check_utf8(f)
+            builder = SUFFIX_TO_BUILDER[files[0].suffix]
+            # A UTF-8 BOM is skipped by the json and csv readers; the text reader would keep it in the first row.
+            bom = {"encoding": "utf-8-sig"} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                       cache_dir=str(scratch) if scratch else None, **bom)
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for unreadable files: find the line when we can

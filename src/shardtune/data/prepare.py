@@ -3,19 +3,28 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardtune.data.build import truncated_counts
-from shardtune.data.pipeline import TokenizedData, build_data
+if TYPE_CHECKING:  # transformers and torch load only once the cheap checks have passed (a refusal takes ~0.3 s)
+    from shardtune.data.pipeline import TokenizedData
 
 BAR_WIDTH = 40
 
 
 def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
     from shardtune.config.load import load_recipe
-    from shardtune.model import build_tokenizer
+    from shardtune.data.check import check_data_head
+    from shardtune.model_limits import check_model_limits
 
     recipe = load_recipe(recipe_arg, overrides)
+    # What validate and train's launcher refuse, refused alike before anything heavy (torch, transformers) loads.
+    check_model_limits(recipe)
+    check_data_head(recipe.data)
+    from shardtune.data.pipeline import build_data
+    from shardtune.model import build_tokenizer
+    from shardtune.validate import build_on_meta
+
+    build_on_meta(recipe.model)  # no cache built for a model that cannot be built
     tok = build_tokenizer(recipe.model)
     t0 = time.perf_counter()
     if sys.stderr.isatty():  # a bar on a terminal; nothing in a batch log (one line per piece would be noise)
@@ -62,6 +71,8 @@ def format_report(data: TokenizedData, *, seconds: float) -> str:
 
 
 def _long_documents(m: dict[str, Any]) -> str:
+    from shardtune.data.build import truncated_counts
+
     train, ev = m["stats"]["train"], m["stats"]["eval"]
     if m.get("long_docs") == "split":
         return (f"split documents (longer than data.seq_len={m['seq_len']}): {train['split'] + ev['split']:,} "

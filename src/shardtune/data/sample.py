@@ -6,6 +6,7 @@ naming the file and the line, e.g. a truncated JSON line, an empty file, a row t
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -18,6 +19,8 @@ from shardtune.errors import UserError
 SUFFIX_TO_BUILDER = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 SAMPLE_ROWS = 64
 SAMPLE_BYTES = 4 << 20
+BOM = b"\xef\xbb\xbf"
+TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".csv")
 
 
 @dataclass
@@ -61,14 +64,18 @@ def read_sample(file: Path, limit: int = SAMPLE_ROWS) -> Sample:
         return _parquet(file, limit)
     with open(file, "rb") as f:
         head = f.read(SAMPLE_BYTES)
+        # jsonl: a first line longer than the sample is one row, read whole. (A .json array written on one line is
+        # parsed object by object from the sample instead: it may be the whole file.)
+        while file.suffix == ".jsonl" and b"\n" not in head and (more := f.read(SAMPLE_BYTES)):
+            head += more
         at_end = not f.read(1)
+    skipped = len(BOM) if head.startswith(BOM) else 0  # what Notepad and Excel put first: every reader skips it
+    head = head[skipped:]
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError as e:
         if at_end or e.start < len(head) - 4:  # not just a character cut at the end of the sample
-            line = head[: e.start].count(b"\n") + 1
-            raise UserError(f"data.path: '{file}' line {line}: not UTF-8 (byte {head[e.start]:#04x}): save the file "
-                            "as UTF-8") from None
+            raise not_utf8(file, head, e.start, offset=skipped) from None
         text = head[: e.start].decode("utf-8")
     if not at_end:  # the sample ends inside a line: drop that partial line
         text = text[: text.rfind("\n") + 1] if "\n" in text else text
@@ -80,6 +87,38 @@ def read_sample(file: Path, limit: int = SAMPLE_ROWS) -> Sample:
         return Sample(file, list(reader.fieldnames or []), rows, "line")
     lines = text.splitlines()[:limit]
     return Sample(file, ["text"], [(i + 1, {"text": ln}) for i, ln in enumerate(lines)], "line")
+
+
+def not_utf8(file: Path, data: bytes, start: int, *, offset: int = 0, lines_before: int = 0) -> UserError:
+    """The one line for a byte that is not UTF-8 at data[start] (`offset`: bytes of the file before `data`)."""
+    line = lines_before + data.count(b"\n", 0, start) + 1
+    hint = " (UTF-16: its byte-order mark)" if offset + start < 2 and data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+    return UserError(f"data.path: '{file}' line {line}, byte {offset + start}: not UTF-8 (byte {data[start]:#04x})"
+                     f"{hint}: save the file as UTF-8")
+
+
+def check_utf8(file: Path, chunk_bytes: int = 16 << 20) -> None:
+    """The whole of a text data file decodes as UTF-8 (a leading BOM allowed). One pass at the speed of the disk
+    (the decode is C): paid once per `prepare`, before datasets' reader, which would otherwise fail deep inside
+    tokenization with a traceback or read a UTF-16 file as one invalid JSON line."""
+    if file.suffix not in TEXT_SUFFIXES:
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = lines = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:  # e.object: the bytes held from the last chunk (part of a character) + chunk
+                held = len(e.object) - len(chunk)
+                raise not_utf8(file, e.object, e.start, offset=offset - held, lines_before=lines) from None
+            offset += len(chunk)
+            lines += chunk.count(b"\n")
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise UserError(f"data.path: '{file}' line {lines + 1}, byte {offset}: not UTF-8 (the file ends inside a "
+                            "character): save the file as UTF-8") from None
 
 
 def _json(file: Path, text: str, limit: int, *, complete: bool) -> Sample:
@@ -154,7 +193,7 @@ def _columns(rows: Any) -> list[str]:
 
 def find_bad_json_line(file: Path) -> UserError | None:
     """The first line of a jsonl file that does not parse (a full scan: only after a load has failed)."""
-    with open(file, encoding="utf-8", errors="replace") as f:
+    with open(file, encoding="utf-8-sig", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:

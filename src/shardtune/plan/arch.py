@@ -42,7 +42,10 @@ def supported(raw: dict) -> bool:
     fam = FAMILIES.get(raw.get("model_type", ""))
     return (fam is not None and all(isinstance(raw.get(k), int) for k in REQUIRED)
             and raw.get("architectures", [f"{fam.prefix}ForCausalLM"]) == [f"{fam.prefix}ForCausalLM"]
-            and not raw.get("mlp_bias") and raw.get("partial_rotary_factor", 1.0) == 1.0)
+            and not raw.get("mlp_bias") and raw.get("partial_rotary_factor", 1.0) == 1.0
+            # the activation counts measured for estimate.py are SiLU's; any other goes through transformers, which
+            # also refuses one it does not know (model.from_config)
+            and raw.get("hidden_act", "silu") == "silu")
 
 
 def config_namespace(raw: dict) -> SimpleNamespace:

@@ -111,7 +111,11 @@ def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup
 
 
 def make_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
-    return plan_recipe(load_recipe(recipe, overrides or []))
+    from shardtune.model_limits import check_model_limits
+
+    r = load_recipe(recipe, overrides or [])
+    check_model_limits(r)  # a recipe train would refuse does not "fit"
+    return plan_recipe(r)
 
 
 def variant(plan: Plan, **changes) -> Plan:

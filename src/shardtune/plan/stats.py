@@ -56,14 +56,14 @@ def build_meta_model(cfg: ModelConfig) -> tuple[nn.Module, Dims]:
     raw = skeleton.read_config_json(cfg)
     if raw is not None and skeleton.supported(raw):
         return skeleton.build_skeleton(raw, DTYPES[cfg.dtype]), Dims.from_config(skeleton.config_namespace(raw))
-    from transformers import AutoModelForCausalLM  # ~3 s of imports: only for architectures skeleton.py lacks
-
-    from shardtune.model import load_config
+    from shardtune.model import (  # ~3 s of imports: only where skeleton.py cannot stand in
+        from_config,
+        load_config,
+    )
 
     hf_config = load_config(cfg)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[cfg.dtype],
-                                                 attn_implementation=cfg.attn_implementation)
+        model = from_config(cfg, hf_config, dtype=DTYPES[cfg.dtype])
     return model, Dims.from_config(hf_config)
 
 
