@@ -36,6 +36,8 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
   note(device, op, label)            record an op issued on the current stream (simulated only; no-op elsewhere)
   tracked(work, device, label)       a collective's work whose wait() is recorded (simulated only)
   host_empty(numel, dtype, device)   a 1-D host buffer, pinned when the device is an accelerator
+  to_device(tensor, device)          a host tensor (a batch) copied to the device without a host sync (via pinned)
+  host_sync(kind) / host_syncs()     the simulated GPU's count of host synchronizations (TRACE "host_sync")
   has_pinned_memory(device)          whether torch can pin host memory for it (FSDP2's offload policy)
   optimizer_flags(params)            AdamW's implementation: {"fused": True} when every param is on the host (the
                                      fused CPU kernel), else {"foreach": True}
@@ -126,6 +128,7 @@ def register_simulated_backend() -> None:
     sim_device_module.register()  # torch.meta: the streams and events FSDP2 (engine.backend=torch) asks for
     _simulate_pinned_memory()
     _simulate_host_reads()
+    _count_host_copies()
 
 
 _LIBS: list[Any] = []  # keeps the simulated kernels registered
@@ -140,9 +143,56 @@ def _simulate_host_reads() -> None:
 
 
 def _zero_scalar(t: torch.Tensor) -> bool | int | float:
+    host_sync("item")  # .item(), bool(), float(), a Python `if` on a tensor
     if t.dtype == torch.bool:
         return False
     return 0.0 if t.dtype.is_floating_point else 0
+
+
+# -- host synchronizations (simulated) -------------------------------------------------------------------------------
+# Every point where a GPU run would block the CPU until the device caught up, recorded in TRACE as
+# ("host_sync", "host", kind): a host read (`item`: .item()/bool()/a Python branch on a tensor; `to_host`), a copy
+# between host and device that CUDA runs synchronously (`h2d_pageable`: from pageable memory, or from pinned memory
+# without non_blocking; `d2h_pageable`: into pageable memory, or without non_blocking), and a full device sync
+# (`synchronize`). `nonzero`, boolean-mask indexing and other data-dependent shapes have no meta kernel: under
+# simulation they raise, louder than a count. Event waits (offload's host optimizer) are the TRACE's "host_wait".
+def host_sync(kind: str) -> None:
+    TRACE.add("host_sync", "host", kind, _caller())
+
+
+def host_syncs() -> list[tuple[str, str]]:
+    """(kind, caller "module:function") of the host synchronizations recorded since TRACE was last cleared."""
+    return [(e[2], e[3]) for e in TRACE.entries if e[0] == "host_sync"]
+
+
+def _caller() -> str:
+    """The innermost frame outside torch, this module and dispatch modes (memory trackers): who asked for it."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename == __file__ or "/torch/" in frame.f_code.co_filename
+                                 or frame.f_code.co_name == "__torch_dispatch__"):
+        frame = frame.f_back
+    return f"{frame.f_globals.get('__name__')}:{frame.f_code.co_name}" if frame is not None else "?"
+
+
+def _meta_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """copy_ where either side is the simulated GPU: nothing moves (a host destination reads zeros); a copy CUDA
+    would run synchronously is counted."""
+    if src.device.type == "cpu" and not (non_blocking and src.is_pinned()):
+        host_sync("h2d_pageable")
+    if dst.device.type == "cpu":
+        if not (non_blocking and dst.is_pinned()):
+            host_sync("d2h_pageable")
+        with torch._C._DisableTorchDispatch():
+            dst.zero_()
+    return dst
+
+
+def _count_host_copies() -> None:
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("copy_", _meta_copy, "Meta")
+    _LIBS.append(lib)
 
 
 # -- the simulated GPU's record --------------------------------------------------------------------------------------
@@ -283,6 +333,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif is_simulated(device):
         TRACE.add("host_wait", "host", "all")
+        host_sync("synchronize")
 
 
 # -- host memory -----------------------------------------------------------------------------------------------------
@@ -293,11 +344,29 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bo
     """A 1-D host buffer; pinned when `device` is an accelerator, so copies to and from it run asynchronously."""
     pin = device.type == "cuda"
     t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device="cpu", pin_memory=pin)
-    if is_simulated(device) and t.untyped_storage().data_ptr():
+    if is_simulated(device):
+        _sim_pin(t)
+    return t
+
+
+def _sim_pin(t: torch.Tensor) -> None:
+    if t.untyped_storage().data_ptr():
         import weakref
         st = t.untyped_storage()
         _SIM_PINNED[st.data_ptr()] = weakref.ref(st)
-    return t
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (a batch) on `device` without blocking the CPU: staged through a pinned copy (host work only),
+    then copied non-blocking. CUDA's caching host allocator keeps the pinned block until the copy has run."""
+    if not is_accelerator(device):
+        return tensor.to(device)
+    if device.type == "cuda":
+        staged = tensor.pin_memory()
+    else:
+        staged = tensor.clone()
+        _sim_pin(staged)
+    return staged.to(device, non_blocking=True)
 
 
 def has_pinned_memory(device: torch.device) -> bool:
@@ -343,6 +412,7 @@ def to_host(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: boo
     """A blocking copy to the host (a sync point on CUDA); `copy`: a new tensor even when `tensor` is on the host
     already. Simulated: zeros, a meta tensor has no values."""
     if tensor.is_meta:
+        host_sync("to_host")
         return torch.zeros(tensor.shape, dtype=dtype or tensor.dtype)
     return tensor.to("cpu", dtype, copy=copy)
 

@@ -97,7 +97,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_all = hidden.to(weight.dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(h_all) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None  # V*H, only when the head trains
+        # V*H fp32, only when the head trains: summed over chunks in fp32 (a bf16 sum drops small contributions)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
         for start in range(0, h_all.shape[0], chunk_tokens):
             h = h_all[start:start + chunk_tokens]
             t = targets[start:start + chunk_tokens]
@@ -117,7 +118,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if want_h:
                 torch.mm(g, weight, out=grad_h[start:start + chunk_tokens])
             if want_w:
-                grad_w.addmm_(g.t(), h)
+                add_outer_fp32(grad_w, g, h)
             del logits, g
         ctx.save_for_backward(grad_h if want_h else None, grad_w if want_w else None)
         ctx.hidden_dtype = hidden.dtype
@@ -128,6 +129,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Scaled in place: a copy of grad_W would be one more V*H. (A second backward through this graph would
         # need retain_graph, and would scale twice: the trainer never does that.)
         return (*scale_saved_grads(*ctx.saved_tensors, grad_out, ctx.hidden_dtype), None, None)
+
+
+ROW_BLOCK = 4096  # rows of the head's gradient per bf16 product: bounds its transient to ROW_BLOCK·H·2 bytes
+
+
+def add_outer_fp32(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """acc (R, H, fp32) += g^T @ h (g: C x R, h: C x H, compute dtype). The product runs in the compute dtype (a
+    tensor-core matmul, fp32 accumulation inside, rounded once) by blocks of rows, and is summed into the fp32
+    accumulator: a chunk's rounding never compounds over the chunks, as `nn.Linear`'s single backward matmul."""
+    for r in range(0, acc.shape[0], ROW_BLOCK):
+        acc[r:r + ROW_BLOCK].add_(g[:, r:r + ROW_BLOCK].t() @ h)
 
 
 def scale_saved_grads(grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, grad_out: torch.Tensor,

@@ -157,7 +157,8 @@ class DpoObjective(SftObjective):
     def _pair_out(self, model: nn.Module, mb: PairMicroBatch, split: str):
         b = len(mb.pair_ids)
         if self.precompute:
-            ref = torch.from_numpy(self.reference[split][mb.pair_ids]).to(mb.input_ids.device, torch.float32)
+            ref = accelerator.to_device(torch.from_numpy(self.reference[split][mb.pair_ids]).float(),
+                                        mb.input_ids.device)
             ref_c, ref_r = ref[:, 0], ref[:, 1]
         else:  # before the policy forward: the engine's step state then sees forward -> backward as usual
             with torch.no_grad(), adapters_disabled(model):

@@ -59,6 +59,7 @@ class Run:
     checkpoints: ckpt.CheckpointManager
     shapes: dict[str, Any]  # trainable parameter names -> shape/dtype, read before sharding (for export)
     max_steps: int  # train.max_steps, or train.epochs over the training rows
+    prefetched: tuple[int, list[Any], int] | None = None  # (step, its micro-batches on the device, normaliser)
 
 
 def train(recipe: Recipe) -> dict:
@@ -170,12 +171,11 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
         tracker.reset_peak()
     # DPO: reference log-probs and the held-out "before" eval when DPO starts
     start = run.objective.before_step(run.model, rt, run.run_dir, step, global_size=run.batches.global_size)
-    micro_batches, norm = run.batches.step(step, rt.rank)
+    micro_batches, norm = device_batches(run, step)
     # Summed on the device (float64: the same sum a Python float gave), the loss first, then the objective's
     # statistics: a host read per micro-step would stop the CPU from running ahead into the next micro-step's gathers.
     sums: torch.Tensor | None = None
     for i, mb in enumerate(micro_batches):
-        mb = mb.to(rt.device)
         # Reduce gradients on every micro-step, or only on the last one (unsharded grads kept meanwhile).
         last = i == len(micro_batches) - 1
         run.sharded.set_requires_gradient_sync(run.recipe.engine.sync_every_microstep or last)
@@ -189,16 +189,19 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     assert sums is not None
     grad_norm_t = run.sharded.clip_grad_norm_(cfg.max_grad_norm)  # global: identical on every rank
     dist.all_reduce(sums)
+    run.prefetched = (step + 1, *device_batches(run, step + 1))  # copies queued before the CPU blocks below
     # The one host read of the step: the skip decision needs the loss and the norm before the optimizer steps.
     both = torch.cat([sums, grad_norm_t.detach().to(sums.device, torch.float64).view(1)])
     *sums_global, grad_norm = accelerator.to_host(both).tolist()
+    # No device sync at the end of the step: the read above waited for this step's backward and the previous step's
+    # optimizer (stream order), so in steady state start -> read is one step's device time, and the CPU queues the
+    # optimizer and the next step's gathers without waiting.
+    step_time = time.perf_counter() - t0
     loss_global, stats_global = sums_global[0], sums_global[1:]
     if math.isfinite(loss_global) and math.isfinite(grad_norm):  # every rank takes the same branch
         run.optimizer.step()
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    accelerator.synchronize(rt.device)  # the step's device work is done: step_time (and tokens/s) measure it
-    step_time = time.perf_counter() - t0
     tokens = run.batches.global_size * run.objective.rows_per_item * run.recipe.data.seq_len
     record = {"step": step + 1, "epoch": round((step + 1) * run.batches.global_size / len(run.batches.rows), 4),
               "loss": loss_global, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
@@ -209,6 +212,17 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     if tracker is not None:
         record["peak_mem_bytes"] = int(all_reduce_max(tracker.peak_bytes(), rt.device))
     return record
+
+
+def device_batches(run: Run, step: int) -> tuple[list[Any], int]:
+    """This rank's micro-batches of `step` on the device (copied without a host sync; the previous step prefetched
+    them) and the global batch's normaliser."""
+    if run.prefetched is not None and run.prefetched[0] == step:
+        _, micro, norm = run.prefetched
+        run.prefetched = None
+        return micro, norm
+    micro, norm = run.batches.step(step, run.rt.rank)
+    return [mb.to(run.rt.device) for mb in micro], norm
 
 
 def save_checkpoint(run: Run, step: int) -> None:

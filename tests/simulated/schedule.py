@@ -45,7 +45,8 @@ def offload_copies_on_copy_stream() -> None:
     assert {e[1] for e in copies} == {"h2d"} and {e[1] for e in gathers} == {"h2d"}, (copies, gathers)
     assert not [e for e in trace if e[0] == "wait_stream" and e[1] == "compute"], "compute waited on a stream"
     recorded = {e[2]: i for i, e in enumerate(trace) if e[0] == "record" and e[1] == "h2d"}
-    waits = _index(trace, lambda e: e[0] == "wait_event" and e[1] == "compute")
+    reduced = {e[2] for e in trace if e[0] == "record" and e[1] == "reduce"}  # offload's D2H copies of gradients
+    waits = _index(trace, lambda e: e[0] == "wait_event" and e[1] == "compute" and e[2] not in reduced)
     assert waits and all(trace[i][2] in recorded and recorded[trace[i][2]] < i for i in waits)
     # Every gather's copies come before the event the compute waits on: the event covers them.
     for label in {e[3] for e in gathers}:
@@ -55,10 +56,21 @@ def offload_copies_on_copy_stream() -> None:
     assert _index(trace, lambda e: e == ("wait_stream", "h2d", "compute"))
 
 
+def offload_tables_copied_ahead() -> None:
+    """Offload with vocabulary-parallel tables: each table's rows are copied once per unshard of the root, on the
+    copy stream with the root's gather (covered by the event the compute stream waits on), not on the compute
+    stream at every use (embedding, head, backward)."""
+    trace = _step("full_shard", cpu_offload=True, vocab_parallel=True)
+    copies = [e for e in trace if e[0] == "op" and e[2] == "h2d"]
+    assert copies and {e[1] for e in copies} == {"h2d"}, copies
+    roots = [e for e in copies if e[3] == "root"]
+    assert len(roots) == 3, roots  # the root's own flat (final norm) and the two tables (untied Llama), once each
+
+
 def hybrid_all_reduce_on_its_stream() -> None:
     """Finding 6: each replica all-reduce is issued right after its reduce-scatter, on its own stream (which waits
-    for that reduce-scatter), and the compute stream waits for the all-reduces only at the end of backward,
-    before clipping's norm all-reduce."""
+    for that reduce-scatter); the compute stream waits for it before the next unit's reduce-scatter goes out (at
+    most one reduction in flight, as FSDP2), and for all of them before clipping's norm all-reduce."""
     trace = _step("hybrid_shard", hybrid_shard_size=2)
     # The units' gradients (the row-sharded tables' reduce-scatter activations, and their gradient is summed over
     # the replicas at the end of backward: label "vocab")
@@ -72,11 +84,29 @@ def hybrid_all_reduce_on_its_stream() -> None:
         between = trace[i + 1:j]
         assert ("wait_work", "replica", f"reduce_scatter:{label}") in between
         assert not [e for e in between if e[0] == "op" and e[2] == "reduce_scatter"], "issued late"
-    compute_waits = _index(trace, lambda e: e[0] == "wait_work" and e[1] == "compute"
-                           and e[2].startswith("all_reduce:") and e[2] != "all_reduce:")
+    _each_reduction_waited_before_the_next(trace, lambda label: ("wait_work", "compute", f"all_reduce:{label}"))
+
+
+def _each_reduction_waited_before_the_next(trace: list[tuple], wait_entry) -> None:
+    """Every reduction's completion (`wait_entry(label)`, a compute-stream wait) comes before the next unit's
+    reduce-scatter is issued, and every one before clipping's norm all-reduce."""
+    rs = _index(trace, lambda e: e[0] == "op" and e[2] == "reduce_scatter" and e[3] != "vocab")  # units' only
     norm = _index(trace, lambda e: e[0] == "op" and e[2] == "all_reduce" and not e[3])
-    assert compute_waits and min(compute_waits) > max(rs), "the compute stream waited for an all-reduce mid-backward"
-    assert norm and max(compute_waits) < min(norm)
+    assert len(rs) >= 4 and norm
+    for i, j in zip(rs, [*rs[1:], min(norm)], strict=True):
+        assert wait_entry(trace[i][3]) in trace[i + 1:j], f"reduction of {trace[i][3]} still in flight"
+
+
+def offload_reductions_bounded() -> None:
+    """Offload: each reduction's D2H copy runs on the reduce stream, and the compute stream waits for its event
+    before the next unit's reduce-scatter goes out: no gradient outlives its copy by more than one unit."""
+    trace = _step("full_shard", cpu_offload=True)
+    copied = {}  # label -> the event recorded on the reduce stream after its D2H copy
+    for i, e in enumerate(trace):
+        if e[0] == "op" and e[2] == "d2h":
+            assert e[1] == "reduce"
+            copied[e[3]] = next(f[2] for f in trace[i + 1:] if f[0] == "record" and f[1] == "reduce")
+    _each_reduction_waited_before_the_next(trace, lambda label: ("wait_event", "compute", copied[label]))
 
 
 def _backward_order(schedule: BackwardSchedule) -> list[tuple[int, int, int]]:

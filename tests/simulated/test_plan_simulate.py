@@ -38,6 +38,19 @@ def test_simulated_step_agrees_with_the_plan(recipe: str, overrides: list[str], 
     assert sim["pinned_reserved_peak_bytes"] >= sim["simulated_host_bytes"]
 
 
+def test_offloaded_host_agrees_with_the_plan() -> None:
+    """Full fine-tuning, hybrid_shard + cpu_offload over 2 nodes: the host holds the pinned shards and gradients as
+    CUDA's pinned allocator sizes them (powers of two) and, over 2 micro-steps, one more reduced-gradient copy per
+    unit waiting to be added; the plan counts the same bytes."""
+    out = cli("plan", "recipes/hardware/llama-3.1-8b-full-8x80gb.yaml", "engine.strategy=hybrid_shard",
+              "engine.cpu_offload=true", "launch.nnodes=2", "hardware.num_gpus=16", "--simulate", "--json",
+              cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sim = json.loads(out.stdout)
+    assert sim["simulated_host_bytes"] > 16 * 8.0e9 / 8  # shards, grads, AdamW of 8B over 8 ranks, at least
+    assert abs(sim["simulated_host_bytes"] - sim["analytic_host_bytes"]) <= 0.01 * sim["analytic_host_bytes"], sim
+
+
 def test_fsdp2_offload_is_refused_in_one_line() -> None:
     """FSDP2's offload copies each gradient to the host, which a meta tensor cannot give: refused, not a traceback."""
     out = cli("plan", "recipes/tiny-lora-cpu.yaml", "launch.device=cuda", "engine.backend=torch",

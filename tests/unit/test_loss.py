@@ -76,3 +76,20 @@ def test_bf16_head_matches_the_upcast_path():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
     torch.testing.assert_close(h2.grad, h.grad, rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(w2.grad, w.grad, rtol=2e-2, atol=1e-2)
+
+
+def test_head_gradient_sums_chunks_in_fp32():
+    """bf16 head, one token per chunk, every target the same token: the frequent row's gradient sums 2048 chunk
+    products. Summed in bf16 it stalls (each ~0.5 addend is below half the spacing once the sum passes ~256);
+    summed in fp32 it equals an fp64 reference of the same bf16 products within bf16's rounding of the result."""
+    g = torch.Generator().manual_seed(0)
+    n, vocab, hidden = 2048, 8, 16
+    h = torch.rand(n, hidden, generator=g).to(torch.bfloat16)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.1).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.full((n,), 3)
+    linear_cross_entropy(h, w, targets, chunk_tokens=1).backward()
+    logits = h.double() @ w.detach().double().t()
+    dlogits = torch.softmax(logits, dim=-1) - torch.nn.functional.one_hot(targets, vocab).double()
+    want = dlogits.to(torch.bfloat16).double().t() @ h.double()  # the products' inputs as the chunks have them
+    err = (w.grad.double() - want).abs().max() / want.abs().max()
+    assert err < 2 ** -7, float(err)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from shardtune.accelerator import to_device
 from shardtune.attention import DocLengths, doc_lengths
 from shardtune.data.formats import IGNORE
 
@@ -35,8 +36,9 @@ class MicroBatch:
     doc_lengths: DocLengths | None = field(default=None, kw_only=True)
 
     def to(self, device: torch.device) -> MicroBatch:
-        return replace(self, input_ids=self.input_ids.to(device), labels=self.labels.to(device),
-                       position_ids=self.position_ids.to(device))
+        """On the device without a host sync (pinned, non-blocking: accelerator.to_device)."""
+        return replace(self, input_ids=to_device(self.input_ids, device), labels=to_device(self.labels, device),
+                       position_ids=to_device(self.position_ids, device))
 
 
 def num_targets(labels: torch.Tensor | np.ndarray) -> int:

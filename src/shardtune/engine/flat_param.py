@@ -69,6 +69,9 @@ class FlatParam:
         # The shard: 1D, master dtype, numel P/W. Built from the full parameters every rank holds at construction
         # (same seed); costs one unit of extra host memory transiently. Meta params (loader fills later) are skipped.
         self.device = device  # compute device: `full` lives here
+        # The shard lives on the host, apart from the compute device (told by the flag, not by `.device`: the
+        # simulated host's buffers are meta tensors, plan/simulate.py).
+        self.on_host = offload and accelerator.is_accelerator(device)
         if offload:  # pinned on an accelerator: the H2D copy before each all-gather runs async
             self.shard = accelerator.host_empty(self.shard_numel, self.dtype, device, zero=True)
         else:
@@ -92,6 +95,9 @@ class FlatParam:
         # Never gathered: a vocabulary table used row-sharded where it is (engine/vocab.py); its gradient reaches
         # the segments through autograd, already summed over the shard group.
         self.local = False
+        # cpu_offload, a local table: its rows (1D, master dtype, numel P/W) on the device while its unit is
+        # unsharded, copied on the unit's copy stream ahead of use (unit.py); None otherwise (vocab.py copies then).
+        self.staged: torch.Tensor | None = None
 
         # No shard group and no cast: the shard IS the full buffer (no_shard fp32); never freed, nothing copied.
         self.aliased = shard_size == 1 and compute_dtype == self.dtype and self.shard.device == device
@@ -129,6 +135,23 @@ class FlatParam:
         on CPU), cast to the compute dtype (halves bytes for bf16). Issued on the current stream: the unit puts
         offload's copies on its copy stream (unit.py)."""
         return shard_on_device(self, self.compute_dtype)
+
+    def stage_rows(self) -> bool:
+        """cpu_offload, a local table: room for its rows on the device, allocated on the current (compute) stream,
+        as `full` is. True when there is a copy to issue (`copy_rows`)."""
+        if not (self.local and self.on_host and self.staged is None):
+            return False
+        self.staged = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+        return True
+
+    def copy_rows(self) -> None:
+        """The rows' H2D copy into `staged`, non-blocking from pinned memory, on the current (copy) stream."""
+        assert self.staged is not None
+        self.staged.copy_(self.shard, non_blocking=True)
+        _h2d_issued(self)
+
+    def unstage_rows(self) -> None:
+        self.staged = None  # autograd may still hold views of it for backward: they keep it alive
 
     def wait_host_reads(self) -> None:
         """Offload: block until the device has finished copying the host shard (before the optimizer writes it)."""
@@ -189,15 +212,21 @@ class FlatParam:
 def shard_on_device(flat, dtype: torch.dtype) -> torch.Tensor:
     """The shard on `flat.device` in `dtype` (FlatParam and QuantizedFlat)."""
     send = flat.shard.to(flat.device, non_blocking=True)  # offload on an accelerator: async from pinned memory
-    if send is not flat.shard and accelerator.is_accelerator(flat.device):
-        accelerator.note(flat.device, "h2d", flat.label)
-        # The copy reads the host shard when the stream gets there; the host optimizer must not write the shard
-        # before: `wait_host_reads` blocks on this event (the last copy of the step covers the earlier ones).
-        flat._h2d_done = accelerator.new_event(flat.device)
-        flat._h2d_done.record()
+    if send is not flat.shard:
+        _h2d_issued(flat)
     if send.dtype != dtype:
         accelerator.note(flat.device, "cast", flat.label)
     return send.to(dtype)  # no copy when already so
+
+
+def _h2d_issued(flat) -> None:
+    """After an H2D copy of `flat.shard` was issued on the current stream. The copy reads the host shard when the
+    stream gets there; the host optimizer must not write the shard before: `wait_host_reads` blocks on this event
+    (the last copy of the step covers the earlier ones)."""
+    if accelerator.is_accelerator(flat.device):
+        accelerator.note(flat.device, "h2d", flat.label)
+        flat._h2d_done = accelerator.new_event(flat.device)
+        flat._h2d_done.record()
 
 
 def slot_pieces(slots: list, shard_rank: int, shard_numel: int) -> Iterator[tuple[int, int, int, int]]:

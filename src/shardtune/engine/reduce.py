@@ -6,12 +6,11 @@ Pipeline of one flat gradient (1D, compute dtype, numel P, handed over by the un
           compute stream after the gradient was produced, and the collective is issued from it (async_op=True).
           gloo: the same call returns a work handle whose bytes move on gloo's threads.
   promote hybrid_shard: the replica all-reduce of the reduce-scatter's output. On an accelerator it is issued at
-          once, on its own stream (which waits for the reduce-scatter), and the compute stream waits for it only at
-          the end of backward (`finish_backward`, FSDP2's finalize_backward): inter-node traffic never sits in
-          front of compute. On gloo it is issued at the next `make_room` (issuing it waits for the reduce-scatter
-          on the CPU) and waited for when the reduction is retired.
-  retire  wait for the last collective, then add the output into the sharded gradient (device), or copy it
-          non-blocking into a pinned host buffer and record an event (CPU offload; the host add happens in `wait`).
+          once, on its own stream (which waits for the reduce-scatter), so it runs while the next unit computes. On
+          gloo it is issued at the next `make_room` (issuing it waits for the reduce-scatter on the CPU).
+  retire  the compute stream waits for the last collective, then adds the output into the sharded gradient
+          (device), or the reduce stream copies it non-blocking into a pinned host buffer, records an event and the
+          compute stream waits for that event (CPU offload; the host add happens in `wait`).
 At most `max_in_flight` reductions are issued and not retired: each keeps its gradient (P, reduce dtype) and its
 output (P/W) alive. With the default 1, the reduction of unit i overlaps the first half of unit i-1's backward
 (by gradient elements) and is retired there; only then is unit i-2 gathered ahead (engine/unit.py: at most one unit
@@ -22,9 +21,10 @@ Every rank issues, promotes and retires at the same program points (never on `is
 rank), so the collectives of each group run in the same order everywhere.
 
 Lifetimes on CUDA: the gradient and the output are allocated on the compute stream and referenced by the pending
-record until the compute stream has waited for the collective (`work.wait()` at retire), so the allocator cannot
-hand their memory to later compute work before the collective is done. Under offload the compute stream never
-waits (the D2H copy runs on the reduce stream), so both are `record_stream`ed on the reduce stream instead.
+record until the compute stream has waited for everything that reads them (the collectives, offload's D2H copy) at
+retire, so the allocator cannot hand their memory to later compute work early, and no `record_stream` is needed:
+their memory returns in stream order. The cost is FSDP2's: a reduction slower than one unit's backward stalls the
+compute stream at the next retire.
 """
 from __future__ import annotations
 
@@ -67,7 +67,6 @@ class GradReducer:
         # hybrid_shard on an accelerator: the replica all-reduces' own stream (None on cpu, or nothing to replicate)
         self.replica_stream = (accelerator.new_stream(device, "replica")
                                if replicate_group is not None and shard_group is not None else None)
-        self._replicas: list[_Pending] = []  # all-reduces in flight, waited for at the end of backward
         self._in_flight: deque[_Pending] = deque()
         self._host: list[tuple[FlatParam, torch.Tensor, Any]] = []  # offload: D2H copies and their events
         self.unsharded: dict[FlatParam, torch.Tensor] = {}  # no-sync accumulation: 1D, fp32, numel P per flat
@@ -143,19 +142,17 @@ class GradReducer:
         item.all_reduce_left = False
 
     def _retire(self, item: _Pending) -> None:
+        """The compute stream waits for the whole reduction (reduce-scatter, replica all-reduce, offload's D2H copy)
+        before anything after it, as FSDP2 waits at the next post-backward: the gradient and the output are freed
+        in stream order, so at most `max_in_flight` reductions' buffers are ever alive (a reduction the compute
+        stream never waited for would pin them, through record_stream, for as long as its collectives lag)."""
         self._issue_all_reduce(item)
-        if not self.offload and self.replica_stream is not None:
-            # The reduce-scatter's input is done with (the replica stream waited for it): free it once that stream
-            # is past this point. The output waits, with its all-reduce, for `finish_backward`.
-            accelerator.record_stream(item.full, self.replica_stream)
-            item.full = None
-            self._replicas.append(item)
-            return
         if not self.offload:
             if item.work is not None:
                 item.work.wait()  # CUDA: the compute stream waits for the collective; then it adds the result
             item.flat.accumulate_shard_grad(item.out)
             return
+        self._add_earlier_copy(item.flat)
         with self._on_stream():
             if item.work is not None:
                 item.work.wait()
@@ -165,14 +162,24 @@ class GradReducer:
             accelerator.note(self.device, "d2h", item.flat.label)
             done = None
             if self.stream is not None:
-                # Dropped below while the reduce stream may still use them: the allocator must wait for it.
-                for t in (item.full, item.out):
-                    if t is not None:
-                        accelerator.record_stream(t, self.stream)
                 done = accelerator.new_event(self.device)
                 done.record(self.stream)
+        if done is not None:
+            accelerator.current_stream(self.device).wait_event(done)  # the copy has read `out`: both may go
         self.num_host_copies += 1
         self._host.append((item.flat, host, done))
+
+    def _add_earlier_copy(self, flat: FlatParam) -> None:
+        """Offload, a later micro-step: the flat's copy from the previous one (a micro-step old: done by now, so
+        the event wait costs nothing) is added into its host gradient before the next copy is allocated. So at most
+        one copy per flat waits on the host, not one per micro-step (grad_accum x the sharded gradients)."""
+        for i, (f, host, done) in enumerate(self._host):
+            if f is flat:
+                del self._host[i]
+                if done is not None:
+                    done.synchronize()
+                f.accumulate_shard_grad(host)
+                return
 
     # -- once per backward / step ------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -183,13 +190,8 @@ class GradReducer:
             self._retire(self._in_flight.popleft())
 
     def finish_backward(self) -> None:
-        """End of backward: every reduction retired, and (hybrid on an accelerator) the compute stream waits for
-        the replica all-reduces, then adds their outputs into the shards."""
+        """End of backward: every reduction retired."""
         self.drain()
-        for item in self._replicas:
-            item.work.wait()
-            item.flat.accumulate_shard_grad(item.out)
-        self._replicas.clear()
 
     def wait(self) -> None:
         """Before the optimizer reads gradients (clipping, step, checkpoint): every reduced gradient is in its
@@ -204,11 +206,10 @@ class GradReducer:
     def abandon(self) -> None:
         """A backward raised: wait for what was issued (the buffers must outlive the collectives, and every rank
         issued the same ones), then drop it all, unsharded accumulators included: the step's gradients are lost."""
-        for item in [*self._in_flight, *self._replicas]:
+        for item in self._in_flight:
             if item.work is not None:
                 item.work.wait()
         self._in_flight.clear()
-        self._replicas.clear()
         for _, _, done in self._host:
             if done is not None:
                 done.synchronize()
@@ -216,4 +217,4 @@ class GradReducer:
         self.unsharded.clear()
 
     def pending(self) -> int:
-        return len(self._in_flight) + len(self._host) + len(self._replicas)
+        return len(self._in_flight) + len(self._host)

@@ -114,7 +114,10 @@ class Unit:
         for flat in self.flats:
             if not (flat.aliased or flat.local):
                 flat.alloc_full()
+        staged = [flat for flat in self.flats if flat.local and flat.stage_rows()]  # offload: tables' rows, ahead
         with accelerator.use_stream(stream):
+            for flat in staged:
+                flat.copy_rows()
             for flat in self.flats:
                 if flat.aliased or flat.local:  # local: a row-sharded vocabulary table, never gathered
                     continue
@@ -149,6 +152,8 @@ class Unit:
             self.wait()  # never free a buffer a collective is still writing
         for flat in self.flats:
             flat.free_full()
+            if flat.local:
+                flat.unstage_rows()
         self.state = ShardState.SHARDED
 
     def _keep_after_forward(self) -> bool:

@@ -38,6 +38,10 @@ from torch.distributed import ProcessGroup
 from shardtune import accelerator
 from shardtune.data.formats import IGNORE
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_all_into, reduce_scatter_into
+from shardtune.engine.flat_param import shard_on_device
+from shardtune.loss import add_outer_fp32
+
+_UNIFORM_TOKENS: dict[Any, int | None] = {}  # shard group -> its last embedding call's count, when every rank had it
 
 
 class VocabTable:
@@ -63,26 +67,34 @@ class VocabTable:
         """The local real rows (num_local x H) in the compute dtype on the compute device. Trainable: a cast of the
         fp32 master segment, so autograd sends the rows' gradient into the segment's .grad."""
         flat = self.flat
-        src = flat.segments[0][3] if flat.segments else flat.shard[:self.num_local * self.hidden]
-        # cpu_offload: the rows live on the host. Copied as every shard is (flat_param.shard_on_device): non-blocking
-        # from pinned memory, its event kept for wait_host_reads (the host optimizer writes the rows next); the
-        # simulated host (plan/simulate.py HostMeta) knows an H2D copy by non_blocking. No copy when on the device.
-        needs_grad = src.requires_grad and torch.is_grad_enabled() and src.device != self.device
-        dev = _RowsToDevice.apply(src, self.device) if needs_grad else src.to(self.device, non_blocking=True)
-        if dev is not src and accelerator.is_accelerator(self.device):
-            accelerator.note(self.device, "h2d", flat.label)
-            flat._h2d_done = accelerator.new_event(self.device)
-            flat._h2d_done.record()
+        n = self.num_local * self.hidden
+        src = flat.segments[0][3] if flat.segments else flat.shard[:n]
+        # cpu_offload: the rows live on the host. Their unit copied them to the device on its copy stream when it
+        # was unsharded (flat.staged; the compute stream waited for that copy), once for every use until it is
+        # resharded. A use outside (none in training) copies here, on the current stream. No copy when on the device.
+        dev = src
+        if flat.on_host:
+            staged = (flat.staged if flat.staged is not None else shard_on_device(flat, flat.dtype))[:n]
+            grad = src.requires_grad and torch.is_grad_enabled()
+            dev = _RowsToDevice.apply(src, staged) if grad else staged
         return dev.view(self.num_local, self.hidden).to(flat.compute_dtype)
 
     # -- token exchange -----------------------------------------------------------------------------------------------
-    def max_tokens(self, n: int) -> int:
-        """The largest token count of this call over all ranks (host metadata, agreed on the gloo host group)."""
+    def max_tokens(self, n: int, *, first: bool = False) -> int:
+        """The largest token count of this call over all ranks (host metadata, agreed on the gloo host group).
+        One round trip per forward: the embedding's call (`first`) also learns whether every rank has the same
+        count; then a later use with that same count (the head over the same tokens, on every rank alike) needs no
+        agreement."""
         if accelerator.is_simulated(self.device):
             return n  # the simulated GPU reads no values: every rank has the same shapes there
-        t = torch.tensor([n], dtype=torch.int64)
+        if not first and n == _UNIFORM_TOKENS.get(self.group):
+            return n
+        t = torch.tensor([n, -n], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=accelerator.host_group())
-        return int(t.item())
+        largest, smallest = int(t[0]), -int(t[1])
+        if first:  # shared by the group's tables: the head of an untied model is a table of its own
+            _UNIFORM_TOKENS[self.group] = n if largest == smallest else None
+        return largest
 
     def gather(self, x: torch.Tensor, n_max: int, fill: float | int = 0) -> torch.Tensor:
         """(n, ...) on each rank -> (W·n_max, ...): every rank's rows, each padded with `fill` to n_max."""
@@ -115,14 +127,14 @@ class VocabTable:
 
 
 class _RowsToDevice(torch.autograd.Function):
-    """cpu_offload, trainable table: the host rows copied to the device; the rows' gradient copied back to the host
-    segment (a blocking copy: AccumulateGrad reads it at once). The simulated GPU has no values to copy back: an
-    empty host buffer stands for them, as the reducer's host copies do."""
+    """cpu_offload, trainable table: the host rows' device copy (`staged`) as a function of the host segment; the
+    rows' gradient copied back to the host segment (a blocking copy: AccumulateGrad reads it at once). The simulated
+    GPU has no values to copy back: an empty host buffer stands for them, as the reducer's host copies do."""
 
     @staticmethod
-    def forward(ctx: Any, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def forward(ctx: Any, src: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
         ctx.host = (src.shape, src.dtype, src.device)
-        return src.to(device, non_blocking=True)
+        return staged.view_as(staged)  # a fresh tensor object per use: each gets its own grad_fn
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -137,7 +149,7 @@ class _Embed(torch.autograd.Function):
     def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, table: VocabTable) -> torch.Tensor:
         flat_ids = ids.reshape(-1)
         n = flat_ids.numel()
-        n_max = table.max_tokens(n)
+        n_max = table.max_tokens(n, first=True)
         ids_all = table.gather(flat_ids, n_max, fill=-1)
         local = ids_all - table.lo
         mine = (local >= 0) & (local < table.num_local)
@@ -159,9 +171,11 @@ class _Embed(torch.autograd.Function):
         table = ctx.table
         local, mine = ctx.saved_tensors
         grad_all = table.gather(grad.contiguous(), ctx.n_max)
-        gw = grad.new_zeros((table.num_local, table.hidden))
+        # Accumulated in fp32, as nn.Embedding's CUDA backward does: a frequent token's row sums thousands of
+        # vectors, which a bf16 sum rounds away. Autograd casts the result to the weight's dtype once.
+        gw = grad.new_zeros((table.num_local, table.hidden), dtype=torch.float32)
         if table.num_local:  # no boolean indexing: no device sync, and the simulated GPU (meta) runs it
-            gw.index_add_(0, local, grad_all.masked_fill_(~mine[:, None], 0))
+            gw.index_add_(0, local, grad_all.masked_fill_(~mine[:, None], 0).float())
         p = table.padding_idx
         if p is not None and 0 <= p - table.lo < table.num_local:
             gw[p - table.lo] = 0  # nn.Embedding(padding_idx=p): that row never trains
@@ -220,7 +234,7 @@ class _CrossEntropy(torch.autograd.Function):
         mine_lo, mine_hi = table.rank * n_max, table.rank * n_max + n  # this rank's tokens among the gathered
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h_all = torch.empty_like(h_all) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # summed in fp32 (loss.py)
         k = table.num_local
         chunk = chunk_tokens if chunk_tokens > 0 else max(1, h_all.shape[0])
         for start in range(0, h_all.shape[0], chunk):
@@ -253,7 +267,7 @@ class _CrossEntropy(torch.autograd.Function):
             if want_h:
                 torch.mm(g, weight, out=grad_h_all[start:stop])
             if want_w:
-                grad_w.addmm_(g.t(), h)
+                add_outer_fp32(grad_w, g, h)
             del logits, g
         grad_h = table.scatter_sum(grad_h_all)[:n] if want_h else None  # my tokens' gradient, summed over rows
         ctx.table = table
@@ -268,12 +282,12 @@ class _CrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         if grad_w is not None:
             # The local rows' gradient sums every rank's tokens, each rank's loss scaled by its own grad_out: the
-            # trainer's scale (1 / the global batch's target count) is the same on every rank. Checked, one scalar.
+            # trainer's scale (1 / the global batch's target count) is the same on every rank. Checked on the
+            # device (an asynchronous assert: no host read; a failure surfaces at the next sync).
             table = ctx.table
             scales = table.gather(grad_out.reshape(1).float(), 1)
-            if not accelerator.is_simulated(table.device) and not bool((scales == scales[0]).all()):  # meta: no values
-                raise RuntimeError("vocab-parallel loss: ranks backpropagated different scales into one loss; "
-                                   "scale every rank's loss alike (or set engine.vocab_parallel=false)")
+            torch._assert_async((scales == scales[0]).all(), "vocab-parallel loss: ranks backpropagated different "
+                                "scales into one loss; scale every rank's loss alike (or engine.vocab_parallel=false)")
         return (*scale_saved_grads(grad_h, grad_w, grad_out, ctx.hidden_dtype), None, None, None)
 
 

@@ -240,7 +240,7 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
     backward log_softmax's output, its gradient and the gradient of its input (3 fp32 b·(s-1)·V).
     Chunked (loss.py): one chunk's logits in fp32 (C·V·4; in bf16 also the bf16 logits, then the bf16 gradient:
     C·V·2) while the gradients are formed in forward: grad_h (b·s·H, compute dtype) and, when the head trains,
-    grad_W (V·H). Both stay until the backward takes them (scaled in place).
+    grad_W (V·H, fp32: summed over the chunks in fp32). Both stay until the backward takes them (scaled in place).
     Vocab-parallel (`vocab_rows` R = ceil(V/W) local rows, engine/vocab.py): the chunks run over the W·b·s gathered
     tokens against R rows; the gathered hidden states and their gradient (2·W·b·s·H) live during the loop, the
     rank's own grad_h (b·s·H) and the local rows' gradient (R·H) after it. Without chunking: the local logits of all
@@ -255,14 +255,34 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
             return full_fwd, max(full_bwd, 4 * tokens * V * c)
         G = W * tokens
         C = min(s.loss_chunk, G)
-        grads = tokens * d.hidden * c + (vocab_rows * d.hidden * c if head_trains else 0)
+        grads = tokens * d.hidden * c + (vocab_rows * d.hidden * 4 if head_trains else 0)
         return C * vocab_rows * 4 + (C * vocab_rows * c if c != 4 else 0) + 2 * G * d.hidden * c + G * 8 + grads, grads
     if not s.loss_chunk:
         rows = s.micro_batch * (s.seq_len - 1)
         return tokens * V * c + 2 * rows * V * 4, 3 * rows * V * 4
     C = min(s.loss_chunk, tokens)
-    grads = tokens * d.hidden * c + (V * d.hidden * c if head_trains else 0)
+    grads = tokens * d.hidden * c + (V * d.hidden * 4 if head_trains else 0)
     return C * V * 4 + (C * V * c if c != 4 else 0) + grads, grads
+
+
+def offloaded_host_bytes(units: list[UnitLayout], s: Setup) -> int:
+    """cpu_offload's shards and sharded gradients on the host, as the engine allocates them: each shard a pinned
+    buffer (counted at its size: CUDA's caching host allocator rounds it up to a power of two, not modelled here);
+    each unit's reduced gradient copied into a pinned buffer that becomes the fp32 gradient (reduce fp32), or is added into a pageable fp32 one (bf16: both alive
+    when the gradients are added); with reductions on several micro-steps, one more copy per unit waits to be added
+    (engine/reduce.py `_add_earlier_copy`); the vocabulary tables' row gradients pageable fp32 (engine/vocab.py)."""
+    r = _size(s.reduce)
+    later_copy = s.grad_accum > 1 and s.sync_every_microstep
+    total = 0
+    for u in units:
+        total += sum(f.shard_bytes() for f in u.flats)
+        # Hybrid (replicas): the tables' row gradients are also summed in a host bucket (engine/replicated.py).
+        total += sum(4 * f.shard_numel for f in u.vocab if f.requires_grad) * (2 if s.world > s.shard_size else 1)
+        if u.trainable is not None:
+            n = u.trainable.shard_numel
+            total += 4 * n if r == 4 else 4 * n + r * n
+            total += r * n if later_copy else 0
+    return total
 
 
 def root_activation_bytes(stats: ModelStats, s: Setup) -> int:
@@ -329,7 +349,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                                       sum(4 * u.trainable.padded_numel for u in units if u.trainable))
     host_per_rank = 0
     if s.offload:  # (activations offloaded to the host are added below)  # model states move to the host; the device keeps what is gathered and in flight
-        host_per_rank = states_params - 4 * lora_p + grads_full - 4 * lora_own + opt - 8 * lora_own
+        host_per_rank = offloaded_host_bytes(units, s) + opt - 8 * lora_own
         dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_own, 8 * lora_own
         grads_prev = adapters_prev if s.sync_every_microstep else grads_prev
         if s.device_is_cpu:  # the host IS the device: nothing is saved
@@ -378,6 +398,9 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         # never alive at a peak. Counting the root's (embeddings + head, the largest shard) over-predicted the
         # 70B offload recipe by 7 % against `plan --simulate` (bench/RESULTS.md).
         offload_copy = 2 * max((f.shard_bytes() for u in blocks for f in u.flats), default=0)
+        # Row-sharded tables: their rows copied to the device once the root is unsharded, kept until it is
+        # resharded (engine/flat_param.py stage_rows): from the first forward to the end of backward.
+        offload_copy += sum(f.shard_bytes() for f in root.vocab)
 
     # Backward of a unit: its params' grads (compute dtype) + their flat concatenation, fp32 cast for the reduce,
     # the sharded output; the head's weight grad is held until the root reduces.

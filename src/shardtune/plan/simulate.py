@@ -15,7 +15,8 @@ How, and what it leaves out:
   - Offloaded host buffers (`accelerator.host_empty`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
     cannot be allocated here. Ops on them stay host (counted apart, as host bytes); their non-blocking `.to()` (the
     engine's H2D copy, flat_param.shard_on_device) makes a new device tensor, as the copy on a GPU does.
-  - SDPA takes the fused kernel's path (what it saves on a GPU), not the math path torch picks on meta.
+  - SDPA takes the kernel CUDA would (`_cuda_sdpa`: flash without a mask; with the packing mask the memory-efficient
+    kernel and its per-layer bias), not the math path torch picks on meta.
   - Values are not computed (meta): the loss and norms read as 0. Packed rows' position ids read as zeros.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,16 +62,25 @@ class HostMeta(torch.Tensor):
             _HOST.depth -= 1
 
 
-def _flash_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA as a GPU runs it: a fused kernel that saves q, k, v, the output and the log-sum-exp. On meta, torch picks
-    the math path, which saves the b·heads·s² attention weights of every layer (64 GiB at 8B, 4k tokens)."""
+def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA as CUDA dispatches it. No mask: the flash kernel, which saves q, k, v, the output and the log-sum-exp.
+    A mask (packed rows): flash takes none, so the memory-efficient kernel runs, on a bias in the query's dtype
+    that SDPA makes from a boolean mask in every call and that backward keeps: b·s² per layer. On meta, torch would
+    pick the math path, which saves the b·heads·s² attention weights of every layer (64 GiB at 8B, 4k tokens)."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-    out, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal and attn_mask is None, attn_mask=attn_mask, scale=scale)
+    if attn_mask is None:
+        out, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, scale=scale)
+        return out
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)
     return out
 
 
@@ -100,6 +110,7 @@ class Simulation:
     allocated_peak: int = 0
     reserved_peak: int = 0
     pinned_reserved_peak: int = 0
+    host_syncs: list[str] = field(default_factory=list)  # "kind caller" of each host synchronization of the step
 
     @property
     def ratio(self) -> float:
@@ -112,7 +123,7 @@ class Simulation:
                 "wall_s": round(self.wall_s, 2), "micro_steps": self.micro_steps,
                 "allocator_allocated_peak_bytes": self.allocated_peak,
                 "allocator_reserved_peak_bytes": self.reserved_peak,
-                "pinned_reserved_peak_bytes": self.pinned_reserved_peak}
+                "pinned_reserved_peak_bytes": self.pinned_reserved_peak, "host_syncs": self.host_syncs}
 
 
 @contextlib.contextmanager
@@ -128,7 +139,7 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     F = torch.nn.functional
     saved = (accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks, F.scaled_dot_product_attention)
     os.environ.update(env)
-    F.scaled_dot_product_attention = _flash_sdpa
+    F.scaled_dot_product_attention = _cuda_sdpa
     accelerator.host_empty = _host_empty
     par.init_into_shards = lambda *a, **k: None
     # Rank 0 builds the data alone: the ranks' agreement on the cache runs over a gloo group with real peers.
@@ -177,7 +188,9 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
         tracker = AllocatorTracker(host=_is_host, recheck_min_bytes=sys.maxsize).start()
         try:
             run.model.train()
+            accelerator.TRACE.clear()
             train_step(run, 0, tracker)
+            syncs = [f"{kind} {caller}" for kind, caller in accelerator.host_syncs()]
         finally:
             tracker.stop()
         device_peak, host_peak = tracker.peak_bytes(), tracker.host_peak_bytes()
@@ -186,7 +199,7 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     return Simulation(world=world, device_peak=device_peak, host_peak=host_peak, analytic=analytic,
                       analytic_host=analytic_host,
                       wall_s=time.perf_counter() - t0, micro_steps=micro, allocated_peak=books[0],
-                      reserved_peak=books[1], pinned_reserved_peak=books[2])
+                      reserved_peak=books[1], pinned_reserved_peak=books[2], host_syncs=syncs)
 
 
 def summary(sim: Simulation) -> str:
@@ -198,4 +211,4 @@ def summary(sim: Simulation) -> str:
     line += f"; CUDA's caching allocator would reserve {sim.reserved_peak / gib:.2f} GiB"
     if sim.pinned_reserved_peak:
         line += f", its pinned host pool {sim.pinned_reserved_peak / gib:.2f} GiB"
-    return line + f"; {sim.wall_s:.1f} s"
+    return line + f"; {len(sim.host_syncs)} host sync(s); {sim.wall_s:.1f} s"
