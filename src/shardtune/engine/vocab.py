@@ -27,6 +27,7 @@ replicas at the end of a synced backward (a ReplicatedParams over the replicate 
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -41,7 +42,9 @@ from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_al
 from shardtune.engine.flat_param import shard_on_device
 from shardtune.loss import add_outer_fp32
 
-_UNIFORM_TOKENS: dict[Any, int | None] = {}  # shard group -> its last embedding call's count, when every rank had it
+# shard group -> its last embedding call's count, when every rank had it. Weak keys: a strong one would keep the
+# process group (and gloo's threads) alive past destroy_process_group, into interpreter teardown.
+_UNIFORM_TOKENS: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
 
 
 class VocabTable:
