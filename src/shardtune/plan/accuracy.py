@@ -212,6 +212,11 @@ def _long_docs_file(workdir: Path) -> Path:
     return workdir / "long_docs.jsonl"
 
 
+def _long_model_file(workdir: Path) -> Path:
+    """The demo's tiny-llama with positions up to the long rows' length (its own config stops at 512)."""
+    return workdir / "model-long.json"
+
+
 def _model_file(case: Case, workdir: Path) -> Path:
     if case.arch != "llama":
         return workdir / f"model-{case.arch}.json"
@@ -220,7 +225,8 @@ def _model_file(case: Case, workdir: Path) -> Path:
 
 def recipe_overrides(case: Case, workdir: Path, index: int) -> list[str]:
     model = [f"model.config={_model_file(case, workdir)}"] if case.own_model else []
-    model += [f"data.path={_long_docs_file(workdir)}"] if case.long_docs else []
+    model += [f"model.config={_long_model_file(workdir)}", f"data.path={_long_docs_file(workdir)}"] \
+        if case.long_docs else []
     return [*model, *BASE, f"launch.nproc_per_node={case.world}", f"train.output_dir={workdir / f'run{index}'}",
             *case.overrides]
 
@@ -266,6 +272,10 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
 def measure(cases: list[Case], workdir: Path) -> list[int]:
     """Max over steps of peak_mem_bytes for each case; one spawn per world size."""
     (workdir / "model.json").write_text(json.dumps(MODEL))
+    from shardtune.bundled import CONFIGS_DIR
+
+    tiny = json.loads((CONFIGS_DIR / "models" / "tiny-llama.json").read_text())
+    _long_model_file(workdir).write_text(json.dumps({**tiny, "max_position_embeddings": 8192}))
     letters = "abcdefghijklmnopqrstuvwxyz "
     _long_docs_file(workdir).write_text("".join(
         json.dumps({"text": "".join(letters[(i * 7 + j * j) % 27] for j in range(LONG_DOC_CHARS))}) + "\n"
