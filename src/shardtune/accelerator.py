@@ -35,7 +35,11 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
                                      (simulated: told to the allocator model, simulated/allocator.py)
   note(device, op, label)            record an op issued on the current stream (simulated only; no-op elsewhere)
   tracked(work, device, label)       a collective's work whose wait() is recorded (simulated only)
-  host_empty(numel, dtype, device)   a 1-D host buffer, pinned when the device is an accelerator
+  host_empty(numel, dtype, device)   a 1-D host buffer for a transient copy, pinned when the device is an
+                                     accelerator (CUDA: the caching host allocator, power-of-two blocks, cached)
+  host_resident(numel, dtype, device)  a 1-D host buffer that lives as long as its owner (offloaded shards, the
+                                     landing buffers of offloaded gradients): pinned at its exact size on CUDA
+  pinned_kind(storage)               simulated: "cached" (host_empty), "exact" (host_resident) or None (pageable)
   to_device(tensor, device)          a host tensor (a batch) copied to the device without a host sync (via pinned)
   host_sync(kind) / host_syncs()     the simulated GPU's count of host synchronizations (TRACE "host_sync")
   has_pinned_memory(device)          whether torch can pin host memory for it (FSDP2's offload policy)
@@ -54,6 +58,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import mmap
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -338,22 +344,94 @@ def synchronize(device: torch.device) -> None:
 
 # -- host memory -----------------------------------------------------------------------------------------------------
 _SIM_PINNED: dict[int, Any] = {}  # simulated pinned storages: data_ptr -> weakref to the storage
+_SIM_KINDS: dict[int, tuple[Any, str]] = {}  # simulated pinned storages: id(storage) -> (weakref to it, kind)
+_PINNING = threading.local()  # .kind while the seam makes a simulated pinned buffer in this thread
 
 
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
-    """A 1-D host buffer; pinned when `device` is an accelerator, so copies to and from it run asynchronously."""
+    """A 1-D host buffer for a transient copy; pinned when `device` is an accelerator, so copies to and from it run
+    asynchronously. CUDA: from the caching host allocator, which rounds each block up to a power of two and keeps
+    it cached once freed: cheap to take again, but not for what lives as long as the run (`host_resident`)."""
+    return _host_buffer(numel, dtype, device, zero, "cached")
+
+
+def host_resident(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
+    """A 1-D host buffer that lives as long as its owner (an offloaded shard, a gradient's landing buffer): pinned
+    at its exact size when `device` is CUDA. The caching host allocator would round it up to a power of two (a
+    760 MiB unit shard takes 1 GiB: +35 % of a 405B base per node), and torch's setting that stops the rounding
+    above a threshold lets its free lists hand a freed block to a later, larger request of the same power-of-two
+    class. So these pages are mapped here and page-locked in place (cudaHostRegister), unlocked and
+    unmapped when the last tensor on them dies: its owner drops it only when no copy from or to it is queued.
+    Elsewhere a plain host tensor; the simulated GPU books it at its exact size, outside the cached pool."""
+    if device.type == "cuda":
+        return _registered(numel, dtype)
+    return _host_buffer(numel, dtype, device, zero, "exact")
+
+
+def make_host_buffer(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
+    """The allocation behind `host_empty` (`plan --simulate` swaps in its simulated host, plan/simulate.py)."""
     pin = device.type == "cuda"
-    t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device="cpu", pin_memory=pin)
-    if is_simulated(device):
-        _sim_pin(t)
+    return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, device: torch.device, zero: bool, kind: str) -> torch.Tensor:
+    if not is_simulated(device):
+        return make_host_buffer(numel, dtype, device, zero=zero)
+    _PINNING.kind = kind  # the allocator model sees the storage while it is made (simulated/allocator.py)
+    try:
+        t = make_host_buffer(numel, dtype, device, zero=zero)
+    finally:
+        _PINNING.kind = None
+    _sim_pin(t, kind)
     return t
 
 
-def _sim_pin(t: torch.Tensor) -> None:
-    if t.untyped_storage().data_ptr():
-        import weakref
-        st = t.untyped_storage()
+def pinned_kind(storage: Any) -> str | None:
+    """Simulated GPU: how a host storage is pinned. "cached": made by `host_empty` (the caching host allocator's
+    power-of-two blocks); "exact": by `host_resident`; None: pageable (AdamW's moments, host sums)."""
+    kind = getattr(_PINNING, "kind", None)
+    if kind is not None:
+        return kind
+    entry = _SIM_KINDS.get(id(storage))
+    return entry[1] if entry is not None and entry[0]() is storage else None
+
+
+class _LockedPages(mmap.mmap):
+    """Anonymous host pages (zero-filled), page-locked for CUDA from registration until this object dies: the
+    tensors `torch.frombuffer` makes over it keep it alive, so the pages are unlocked (here) before they are
+    unmapped (mmap's own deallocation, after this)."""
+
+    address = 0
+
+    def __del__(self) -> None:
+        if self.address:
+            with contextlib.suppress(Exception):  # interpreter teardown: the runtime may be gone, and the pages too
+                torch.cuda.cudart().cudaHostUnregister(self.address)
+
+
+def _registered(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = numel * torch.empty((), dtype=dtype, device="meta").element_size()
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    pages = _LockedPages(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    raw = torch.frombuffer(pages, dtype=torch.uint8)  # holds `pages`; page-aligned
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0)  # cudaHostRegisterDefault
+    if int(err) != 0:
+        raise RuntimeError(f"page-locking {raw.numel()} bytes of host memory failed (cudaHostRegister: "
+                           f"{cudart.cudaGetErrorString(err)}); `shardtune plan` gives the host memory offload needs")
+    pages.address = raw.data_ptr()
+    return raw[:nbytes].view(dtype)
+
+
+def _sim_pin(t: torch.Tensor, kind: str = "cached") -> None:
+    import weakref
+
+    st = t.untyped_storage()
+    if st.data_ptr():
         _SIM_PINNED[st.data_ptr()] = weakref.ref(st)
+    key = id(st)
+    _SIM_KINDS[key] = (weakref.ref(st, lambda _: _SIM_KINDS.pop(key, None)), kind)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

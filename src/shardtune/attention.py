@@ -16,8 +16,9 @@ Why per-document calls, and not the alternatives:
 Documents reach the attention as host integers (`doc_lengths`, from the batch's host position ids before the copy
 to the device): reading them from the device position ids would be a device-to-host sync in every forward.
 
-Generation and any call with a 2-D padding mask or a KV cache keep transformers' SDPA path (`sdpa_mask` builds
-their mask: the mask function below defers to it whenever a padding mask exists).
+No mask function is registered with transformers, so its mask code reads no position ids (attention_mask.py). A
+left-padded prompt is documents too (transformers' generate numbers the padding apart); a KV cache's steps are
+masked from the position ids (attention_mask.cached_attention). Our own decoding runs on transformers' SDPA.
 """
 from __future__ import annotations
 
@@ -52,11 +53,11 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
                        doc_lengths: DocLengths | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> ([b, s, heads, d], None), as transformers expects."""
-    if attention_mask is not None or query.shape[2] != key.shape[2]:  # generation: padding mask or a KV cache
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if attention_mask is not None or query.shape[2] != key.shape[2]:  # a 4-D mask of the caller's, or a KV cache
+        from shardtune.attention_mask import cached_attention
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return cached_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                **kwargs), None
     b, _, s, _ = query.shape
     gqa = key.shape[1] != query.shape[1]
     position_ids = kwargs.get("position_ids")
@@ -88,24 +89,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | No
                                           enable_gqa=gqa)
 
 
-def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
-    """No mask for training rows (documents come as `doc_lengths`); transformers' SDPA mask when a padding mask is
-    given (batched generation)."""
-    if attention_mask is None:
-        return None
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
-
-
 def register() -> str:
-    """Register the attention and its mask function with transformers (idempotent); returns the name to build
-    models with."""
+    """Register the attention with transformers (idempotent); returns the name to build models with. No mask
+    function: transformers then prepares no mask (attention_mask.py says why)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, document_attention)
-    AttentionMaskInterface.register(NAME, _mask)
     return NAME
 
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from shardtune import accelerator
+from shardtune.accelerator import to_device
 from shardtune.attention import doc_lengths
-from shardtune.data.batches import RowSource
-from shardtune.data.formats import IGNORE
+from shardtune.data.batches import RowSource, num_targets
+from shardtune.decode import greedy_decode
 from shardtune.loss import token_loss_sum
-from shardtune.runtime import Runtime, all_reduce_sum
+from shardtune.runtime import Runtime
 
 MAX_DEMO_TOKENS = 128  # greedy decoding per held-out prompt, at most
 
@@ -25,7 +28,10 @@ def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_siz
         return None
     was_training = model.training
     model.eval()
-    loss_sum, count = 0.0, 0.0
+    # The loss summed on the device and read once at the end (a read per batch would stall the CPU per forward);
+    # the target count is the host labels'.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+    count = 0.0
     chunk = micro_batch_size * rt.world_size
     for start in range(0, n, chunk):
         idx = torch.arange(start + rt.rank * micro_batch_size, start + (rt.rank + 1) * micro_batch_size)
@@ -34,13 +40,15 @@ def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_siz
         if not len(idx):
             idx = torch.tensor([0])  # a dummy forward keeps the collectives in step
         host = rows.take(idx.numpy())
-        ids, labels, pos = (torch.from_numpy(x).to(rt.device) for x in host)
+        ids, labels, pos = (to_device(torch.from_numpy(x), rt.device) for x in host)
         s = token_loss_sum(model, ids, labels, pos, chunk_tokens=loss_chunk_tokens, doc_lengths=doc_lengths(host[2]))
-        loss_sum += weight * float(s)
-        count += weight * float((labels[:, 1:] != IGNORE).sum())
+        loss_sum = loss_sum + weight * s.detach().double()
+        count += weight * num_targets(host[1])
     model.train(was_training)
-    loss_sum, count = all_reduce_sum([loss_sum, count], rt.device)
-    return loss_sum / max(count, 1.0)
+    sums = torch.stack([loss_sum, torch.full((), count, dtype=torch.float64, device=rt.device)])
+    dist.all_reduce(sums)
+    loss_total, count_total = accelerator.to_host(sums).tolist()  # the one host read
+    return loss_total / max(count_total, 1.0)
 
 
 def demo_samples(data: Any, limit: int, *, announce: bool) -> list[dict[str, str]]:
@@ -69,7 +77,7 @@ def exact_match(model: nn.Module, tok: PreTrainedTokenizerBase, samples: list[di
                 *, max_new_tokens: int | None = None) -> float:
     """Greedy-decode each prompt; a sample counts when the text before EOS equals the response exactly.
     All ranks decode the same prompts, but nothing guarantees they stop at the same step (bf16 kernels may break a
-    tie differently): `generate` keeps the ranks in lockstep."""
+    tie differently): `greedy_decode` keeps the ranks in lockstep."""
     if not samples:
         return float("nan")
     if max_new_tokens is None:  # room for the longest expected answer and its EOS (user data: capped)
@@ -80,18 +88,11 @@ def exact_match(model: nn.Module, tok: PreTrainedTokenizerBase, samples: list[di
     tok.padding_side = "left"  # decoder-only batched generation pads on the left
     prompts = [(tok.bos_token or "") + s["prompt"] for s in samples]
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(rt.device)
-    out = generate(model, rt.world_size, **enc, max_new_tokens=max_new_tokens, do_sample=False,
-                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
+    # Ranks in lockstep (every forward gathers parameters), at most max_new_tokens forwards (decode.py)
+    out = greedy_decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, world_size=rt.world_size)
+    texts = tok.batch_decode(accelerator.to_host(out[:, enc["input_ids"].shape[1]:]), skip_special_tokens=False)
     correct = sum(t.split(tok.eos_token or "\0")[0].replace(tok.pad_token or "\0", "") == s["response"]
                   for t, s in zip(texts, samples))
     model.train(was_training)
     return correct / len(samples)
-
-
-def generate(model: nn.Module, world_size: int, **kwargs: Any) -> torch.Tensor:
-    """`model.generate` on a sharded model (either backend). Every forward gathers parameters with collectives, so a
-    rank that stops decoding early (EOS or its own max_new_tokens) would leave the others waiting in an all-gather
-    for good. `synced_gpus=True` makes HF keep finished ranks running dummy forwards until every rank is done (one
-    all-reduce of a flag per token); the outputs are what each rank alone would produce."""
-    return model.generate(**kwargs, synced_gpus=world_size > 1)

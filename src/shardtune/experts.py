@@ -147,7 +147,7 @@ def project(self: nn.Module, weight: str, x: torch.Tensor, offsets: torch.Tensor
     """One fused projection of expert-sorted rows: base (a tensor or NF4 experts) + bias + adapters."""
     w = getattr(self, weight)
     if hasattr(w, "grouped_linear"):  # NF4 experts (engine/nf4_experts.py): dequantized per group of experts
-        y = w.grouped_linear(x, offsets, transposed=self.is_transposed)
+        y = w.grouped_linear(x, offsets)  # blocks along the input dim whatever the storage order
     else:
         y = grouped_mm(x.to(w.dtype), w if self.is_transposed else w.transpose(-2, -1), offsets)
     bias = getattr(self, f"{weight}_bias", None)
@@ -172,6 +172,28 @@ def peft_expert_tensors(prefix: str, weight: str, targets: list[str],
     e, r, fan_in = a.shape
     return {f"{prefix}.{nesting}lora_A.weight": a.reshape(e * r, fan_in),
             f"{prefix}.{nesting}lora_B.weight": b.permute(1, 2, 0).reshape(b.shape[1], r * e)}
+
+
+def expert_tensors_from_peft(tensors: dict[str, torch.Tensor], targets: list[str], experts: set[str], *,
+                             r: int) -> dict[str, torch.Tensor]:
+    """The inverse of `peft_expert_tensors`: a PEFT adapter file's tensors (keys without `base_model.model.`) ->
+    ours for the expert adapters of the modules named in `experts` ({our parameter name: tensor}, the layout
+    `merge_factors` takes); every other key (the Linears' adapters) unchanged."""
+    out = {}
+    for key, t in tensors.items():
+        path, leaf = key[:-len(".lora_A.weight")], key[-len("lora_A.weight"):]
+        depth = 0
+        while path.endswith(".base_layer"):
+            path, depth = path[:-len(".base_layer")], depth + 1
+        if path not in experts or leaf not in ("lora_A.weight", "lora_B.weight"):
+            out[key] = t
+            continue
+        name = f"{path}.lora_{targets[len(targets) - 1 - depth]}.{ADAPTER}.{leaf.removesuffix('.weight')}"
+        if leaf == "lora_A.weight":  # (r·E, in) -> (E, r, in)
+            out[name] = t.reshape(-1, r, t.shape[-1])
+        else:  # (out, r·E), experts fastest -> (E, out, r)
+            out[name] = t.reshape(t.shape[0], r, -1).permute(2, 0, 1)
+    return out
 
 
 def merge_factors(adapters: dict[str, torch.Tensor], model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

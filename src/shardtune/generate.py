@@ -176,12 +176,14 @@ def complete(loaded: Loaded, text: str, s: Sampling) -> str:
     at EOS or at the chat template's end of turn (chatml's `<|im_end|>`: what the run was trained to emit there)."""
     import torch
 
+    from shardtune.attention_mask import generation_attention
+
     tok, model = loaded.tok, loaded.model
     enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
     torch.manual_seed(s.seed)
     sample = s.temperature > 0
     stop = turn_end(loaded)
-    with torch.no_grad():
+    with torch.no_grad(), generation_attention(model):  # a KV cache: transformers' SDPA (attention_mask.py)
         out = model.generate(**enc, max_new_tokens=s.max_new_tokens, do_sample=sample,
                              temperature=s.temperature if sample else None, top_p=s.top_p if sample else None,
                              top_k=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,

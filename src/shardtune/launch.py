@@ -164,8 +164,9 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trus
         return _start(cfg, recipe, nproc, header)
 
 
-def _start(cfg: DictConfig, recipe: Recipe, nproc: int, header: str) -> int:
-    """Check the run directory against the recipe, write recipe.yaml, run the agent; the run's exit code."""
+def prepare_run_dir(cfg: DictConfig, recipe: Recipe, nproc: int, header: str = "") -> tuple[Recipe, Path]:
+    """Check the run directory against the recipe and write recipe.yaml: what the workers read (and the tests that
+    start `run_worker` on forked ranks instead of through torchrun)."""
     from shardtune.resume_check import check_rerun, check_resume
 
     cfg = check_resume(cfg, recipe, nproc * recipe.launch.nnodes)  # exit 2 for a checkpoint of another run
@@ -177,6 +178,13 @@ def _start(cfg: DictConfig, recipe: Recipe, nproc: int, header: str) -> int:
     write_text_atomic(recipe_file, header + to_yaml(cfg))  # resolved: every default and override: reproducible
     (run_dir / USER_ERROR_FILE).unlink(missing_ok=True)
     (run_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
+    return recipe, recipe_file
+
+
+def _start(cfg: DictConfig, recipe: Recipe, nproc: int, header: str) -> int:
+    """Check the run directory against the recipe, write recipe.yaml, run the agent; the run's exit code."""
+    recipe, recipe_file = prepare_run_dir(cfg, recipe, nproc, header)
+    run_dir = Path(recipe.train.output_dir)
     env = dict(os.environ)
     threads = worker_threads(recipe, nproc)
     if threads is not None:

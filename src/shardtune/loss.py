@@ -13,7 +13,7 @@ projection's output already exists. So the chunks are taken before it:
 Peak: one chunk's fp32 logits, turned into the gradient in place (C*V*4; in bf16 also the bf16 logits, then the bf16
 gradient: C*V*2), instead of 3 fp32 b*s*V tensors, plus grad_h (b*s*H, the size of one activation). grad_W (the
 head's gradient, V*H) exists only when the head trains; it would exist in backward anyway. Numerics: the same
-operations as today's path per token, in fp32 for the softmax; sums are in a different order (chunk by chunk), so
+operations as the unchunked path per token, in fp32 for the softmax; sums are in a different order (chunk by chunk), so
 fp32 runs agree to ~1e-7 relative, not bit for bit.
 
 Where it hooks in: the trainer and eval call `token_loss_sum` (evaluate.py re-exports it). The model is called as a
@@ -34,7 +34,7 @@ from shardtune.engine.layout import supports_chunked_loss  # also what vocab_par
 
 def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                    *, chunk_tokens: int = 0, doc_lengths: tuple | None = None) -> torch.Tensor:
-    """Summed next-token cross-entropy over target tokens, in fp32. `chunk_tokens=0`: today's path (full logits).
+    """Summed next-token cross-entropy over target tokens, in fp32. `chunk_tokens=0`: full logits in one piece.
     `doc_lengths`: each row's documents (attention.py), so the attention finds them without a device sync."""
     extra = {} if doc_lengths is None else {"doc_lengths": doc_lengths}
     if chunk_tokens <= 0 or not supports_chunked_loss(model):

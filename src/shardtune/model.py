@@ -14,6 +14,7 @@ from transformers import (
 )
 
 from shardtune.attention import attn_implementation
+from shardtune.config.dtypes import DTYPES
 from shardtune.config.schema import ModelConfig
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.templates import resolve_chat_template
@@ -21,8 +22,6 @@ from shardtune.errors import UserError
 from shardtune.hub import CONFIG, TOKENIZER, is_hub_id, model_dir
 from shardtune.loading import build_empty
 from shardtune.seeded_init import init_full
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load_config(cfg: ModelConfig) -> PretrainedConfig:

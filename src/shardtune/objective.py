@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardtune import accelerator
@@ -23,7 +24,7 @@ from shardtune.dpo import pair_losses, sequence_logps
 from shardtune.errors import UserError
 from shardtune.evaluate import eval_loss
 from shardtune.loss import token_loss_sum
-from shardtune.runtime import Runtime, all_reduce_sum
+from shardtune.runtime import Runtime
 
 REFERENCE_FILE = "dpo_reference.npz"  # precomputed reference log-probs, in the run dir (read back on resume)
 
@@ -43,8 +44,9 @@ class SftObjective:
                                 world_size=world_size, seed=t.seed)
 
     def before_step(self, model: nn.Module, rt: Runtime, run_dir: Path, step: int, *,
-                    global_size: int) -> dict[str, float]:
-        """Work at the start of optimizer step `step` (0-based), on every rank; metrics for its record (SFT: none)."""
+                    global_size: int) -> dict[str, float | torch.Tensor]:
+        """Work at the start of optimizer step `step` (0-based), on every rank; metrics for its record (SFT: none),
+        floats or 0-d device tensors (read with the step's one host read)."""
         return {}
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -80,11 +82,18 @@ class SftObjective:
 
 @contextmanager
 def adapters_disabled(model: nn.Module):
-    """The LoRA model without its adapters = the frozen base = DPO's reference (peft's per-layer switch)."""
+    """The LoRA model without its adapters = the frozen base = DPO's reference (peft's per-layer switch).
+
+    peft's switch also sets `requires_grad` on the parameters each layer holds at that moment. Under FSDP2
+    (engine.backend=torch) that is the sharded parameter before the forward and, when the forward leaves the unit
+    gathered (shard_grad_op), the unsharded one after it: the sharded adapters, which FSDP2 and the optimizer
+    treat as the truth, would stay frozen (a resume then loads no AdamW state for them). The flags of the
+    parameters held on entry are put back."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     assert layers, "adapters_disabled needs a LoRA model"
+    flags = [(p, p.requires_grad) for m in layers for p in m.parameters() if p.is_leaf]
     for m in layers:
         m.enable_adapters(False)
     try:
@@ -92,6 +101,8 @@ def adapters_disabled(model: nn.Module):
     finally:
         for m in layers:
             m.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 class DpoObjective(SftObjective):
@@ -118,7 +129,7 @@ class DpoObjective(SftObjective):
         self.reference: dict[str, np.ndarray] = {}  # split -> [pairs, 2] float64 (chosen, rejected)
 
     def before_step(self, model: nn.Module, rt: Runtime, run_dir: Path, step: int, *,
-                    global_size: int) -> dict[str, float]:
+                    global_size: int) -> dict[str, float | torch.Tensor]:
         """Where DPO starts (step == sft_warmup_steps): the reference log-probs when precomputed, and one eval of
         the held-out pairs: `start_eval_*`, the "before" figures (policy = reference: reward accuracy 50 %)."""
         self.step = step
@@ -128,7 +139,7 @@ class DpoObjective(SftObjective):
             self._load_or_compute_reference(model, rt, run_dir, step)
         if step > self.warmup:  # resumed mid-DPO: the start was measured by the first run
             return {}
-        before = self.evaluate(model, rt, global_size=global_size)
+        before = self._eval_on_device(model, rt, global_size=global_size)  # read with the step's loss
         return {k.replace("eval_", "start_eval_"): v for k, v in before.items()}
 
     def _load_or_compute_reference(self, model: nn.Module, rt: Runtime, run_dir: Path, step: int) -> None:
@@ -196,22 +207,30 @@ class DpoObjective(SftObjective):
             start = f"{a:.1%} where DPO started (policy = reference)" if a is not None else "(start not in this run)"
             print(f"held-out reward accuracy: {start} -> {b:.1%} after", flush=True)
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, rt: Runtime, *, global_size: int) -> dict[str, float]:
-        """DPO loss and rewards on held-out pairs; every rank runs the same number of forwards (weight-0 dummies)."""
+        """DPO loss and rewards on held-out pairs (one host read)."""
+        stats = self._eval_on_device(model, rt, global_size=global_size)
+        if not stats:
+            return {}
+        return dict(zip(stats, accelerator.to_host(torch.stack(list(stats.values()))).tolist()))  # simulated: zeros
+
+    @torch.no_grad()
+    def _eval_on_device(self, model: nn.Module, rt: Runtime, *, global_size: int) -> dict[str, torch.Tensor]:
+        """`evaluate`'s figures as 0-d device tensors, summed over the ranks, not read: every rank runs the same
+        number of forwards (weight-0 dummies)."""
         n = min(len(self.eval_pairs), self.recipe.train.eval_batches * global_size)
         if n == 0 or self.step < self.warmup:  # no reference yet
             return {}
         was_training = model.training
         model.eval()
         b = self.recipe.train.micro_batch_size
-        total = torch.zeros(len(self.STATS), dtype=torch.float64)
+        total = torch.zeros(len(self.STATS), dtype=torch.float64, device=rt.device)
         for idx, weight in _rank_chunks(n, b, rt):
             mb = self.eval_pairs.micro_batch(idx).to(rt.device)
-            total += weight * accelerator.to_host(_sums(self._pair_out(model, mb, "eval")))  # simulated: zeros
+            total += weight * _sums(self._pair_out(model, mb, "eval"))
         model.train(was_training)
-        sums = all_reduce_sum(total.tolist(), rt.device)
-        out = {f"eval_{k}": v / n for k, v in zip(self.STATS, sums)}
+        dist.all_reduce(total)
+        out = {f"eval_{k}": v / n for k, v in zip(self.STATS, total.unbind())}
         out["eval_loss"] = out.pop("eval_dpo_loss")  # the key the progress line and loss.png read
         return out
 
@@ -237,20 +256,17 @@ def _precompute(model: nn.Module, rows: PairRows, rt: Runtime, b: int) -> np.nda
     """Reference log-probs of every pair of a split with the current (initial) weights, on all ranks."""
     was_training = model.training
     model.eval()
-    table = torch.zeros(len(rows), 2, dtype=torch.float64)
+    # Filled on the device and read once (a read per forward would stall the CPU each time)
+    table = torch.zeros(len(rows), 2, dtype=torch.float64, device=rt.device)
     for idx, weight in _rank_chunks(len(rows), b, rt):
         mb = rows.micro_batch(idx).to(rt.device)
         logps, _ = sequence_logps(model, mb.input_ids, mb.labels, mb.position_ids)
         if weight:
-            table[torch.from_numpy(idx)] = accelerator.to_host(logps.view(2, -1).t().double())
+            table[accelerator.to_device(torch.from_numpy(idx), rt.device)] = logps.view(2, -1).t().double()
     model.train(was_training)
     if rt.world_size > 1:  # each pair was computed by exactly one rank
-        import torch.distributed as dist
-
-        t = table.to(rt.device)
-        dist.all_reduce(t)
-        table = accelerator.to_host(t)
-    return table.numpy()
+        dist.all_reduce(table)
+    return accelerator.to_host(table).numpy()
 
 
 def build_objective(recipe: Recipe, data: TokenizedData) -> SftObjective:

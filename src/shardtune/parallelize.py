@@ -2,8 +2,8 @@
 
 Transforms run in a fixed order, and the order matters:
   1. inject LoRA (peft replaces Linear modules, so units and frozen flags must see the final module tree),
-  2. the MLPs chunked over the sequence (engine.mlp_chunk_tokens: a forward swap inside each unit, so it sits
-     inside the unit's checkpoint and its recompute),
+  2. the MLPs, norms and adapter branches chunked over the sequence (engine.mlp_chunk_tokens: forward swaps
+     inside each unit, so they sit inside the unit's checkpoint and its recompute),
      then activation checkpointing (wraps whole units; the engine's hooks then see one checkpointed call per unit),
   3. shard (flattens parameters into per-unit buffers; anything after this would see views, not parameters).
 """
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from shardtune import accelerator
-from shardtune.config.resolve import DTYPES, resolve_engine
+from shardtune.config.dtypes import DTYPES
+from shardtune.config.resolve import resolve_engine
 from shardtune.config.schema import Recipe
 from shardtune.engine.api import ShardedModel, ShardingPolicy
 from shardtune.engine.checkpointing import apply_activation_checkpointing
@@ -29,7 +30,7 @@ from shardtune.loading import load_full, load_into_shards
 from shardtune.lora import apply_lora
 from shardtune.moe_checks import moe_problems
 from shardtune.seeded_init import init_full, init_into_shards
-from shardtune.tiled_mlp import apply_mlp_chunking
+from shardtune.tiled_mlp import apply_sequence_chunking
 
 
 def sharding_policy(recipe: Recipe, model: nn.Module, *, world_size: int,
@@ -69,8 +70,8 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     #    checkpointing wraps whole units' forwards before sharding: the engine's hooks then sit outside
     #    the checkpointed region, and the recompute runs on the gather the backward needs anyway.
     if policy.mlp_chunk_tokens:
-        apply_mlp_chunking(find_units(model, policy.unit_classes, policy.min_unit_params),
-                           chunk_tokens=policy.mlp_chunk_tokens)
+        apply_sequence_chunking(find_units(model, policy.unit_classes, policy.min_unit_params),
+                                chunk_tokens=policy.mlp_chunk_tokens)
     ac = engine.activation_checkpointing
     if ac is not False:
         offloader = ActivationOffloader(device) if policy.offload_activations else None

@@ -71,13 +71,8 @@ def start_local_ranks(entry: Callable[..., None], args: tuple, nprocs: int, *, p
     mp.start_processes(entry, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return accelerator.to_host(t).tolist()
-
-
-def all_reduce_max(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return accelerator.item(t)
+def host_max(value: float) -> float:
+    """The largest of a host number over the ranks, on the host group (gloo): no device read, so no host sync."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=accelerator.host_group())
+    return float(t)

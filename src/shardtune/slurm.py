@@ -8,7 +8,7 @@ recipe.yaml and one-line user errors as a local run):
 
 Preemption: `--signal=B:USR1@120` (and `scancel --signal=USR1 --batch`) reach only the batch shell. Its trap
 forwards USR1 to the step through srun, which delivers it to every process of the step: the workers save a
-checkpoint and exit (issue 6); the launcher and torchrun's agent ignore USR1 (launch.py). The shell then runs
+checkpoint and exit; the launcher and torchrun's agent ignore USR1 (launch.py). The shell then runs
 `scontrol requeue`, and the requeued job (same job id, same run directory, log appended) resumes from the
 latest checkpoint (`train.resume=auto`).
 """

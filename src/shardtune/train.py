@@ -28,7 +28,7 @@ from shardtune.model import build_model, build_tokenizer
 from shardtune.objective import SftObjective, build_objective
 from shardtune.parallelize import parallelize
 from shardtune.resume_check import fingerprint
-from shardtune.runtime import Runtime, all_reduce_max, init_runtime
+from shardtune.runtime import Runtime, host_max, init_runtime
 from shardtune.schedule import build_scheduler
 from shardtune.signals import EXIT_DIVERGED, StopRequest, stop_message
 
@@ -191,8 +191,13 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     dist.all_reduce(sums)
     run.prefetched = (step + 1, *device_batches(run, step + 1))  # copies queued before the CPU blocks below
     # The one host read of the step: the skip decision needs the loss and the norm before the optimizer steps.
-    both = torch.cat([sums, grad_norm_t.detach().to(sums.device, torch.float64).view(1)])
-    *sums_global, grad_norm = accelerator.to_host(both).tolist()
+    # before_step's device figures (DPO's start-of-training eval) come with it.
+    pending = [k for k, v in start.items() if isinstance(v, torch.Tensor)]
+    both = torch.cat([sums, grad_norm_t.detach().to(sums.device, torch.float64).view(1),
+                      *(start[k].detach().to(sums.device, torch.float64).view(1) for k in pending)])
+    values = accelerator.to_host(both).tolist()
+    *sums_global, grad_norm = values[:len(sums) + 1]
+    start.update(zip(pending, values[len(sums) + 1:]))
     # No device sync at the end of the step: the read above waited for this step's backward and the previous step's
     # optimizer (stream order), so in steady state start -> read is one step's device time, and the CPU queues the
     # optimizer and the next step's gathers without waiting.
@@ -210,7 +215,7 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     comm = run.sharded.comm_bytes()
     record["comm_bytes"] = comm - comm0 if comm0 >= 0 else None
     if tracker is not None:
-        record["peak_mem_bytes"] = int(all_reduce_max(tracker.peak_bytes(), rt.device))
+        record["peak_mem_bytes"] = int(host_max(tracker.peak_bytes()))  # a host number: the tracker reads no device
     return record
 
 

@@ -37,7 +37,8 @@ def build_on_meta(cfg: ModelConfig) -> None:
     transformers reads but cannot build from fails here, as one line, not in every rank."""
     import torch
 
-    from shardtune.model import DTYPES, from_config, load_config
+    from shardtune.config.dtypes import DTYPES
+    from shardtune.model import from_config, load_config
 
     hf_config = load_config(cfg)
     with torch.device("meta"):

@@ -26,10 +26,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.checkpoint.manager import CheckpointManager, load
 from shardtune.config.load import load_recipe
+from shardtune.decode import greedy_decode
 from shardtune.engine.fingerprint import MIN_CHUNK
 from shardtune.engine.shard import shard_model
 from shardtune.errors import UserError
-from shardtune.evaluate import generate
 from shardtune.loading import build_empty, checkpoint_key, load_into_shards
 from shardtune.memory import CpuMemoryTracker
 from shardtune.model import build_model as build_recipe_model
@@ -221,8 +221,7 @@ def _generate(backend: str) -> None:
     ids, _ = global_batch(0)
     prompt = ids[2 * rank:2 * rank + 2, :5]  # each rank its own prompts...
     new_tokens = 3 + 5 * rank  # ...and its own stop: rank 0 stops 5 tokens before rank 1
-    out = generate(model, dist.get_world_size(), input_ids=prompt, max_new_tokens=new_tokens, do_sample=False,
-                   pad_token_id=0)
+    out = greedy_decode(model, prompt, max_new_tokens=new_tokens, pad_token_id=0, world_size=dist.get_world_size())
     expected = ref.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 5 + new_tokens) and torch.equal(out, expected), (out, expected)
 

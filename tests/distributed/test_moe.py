@@ -55,6 +55,9 @@ def test_moe_parity_across_world_sizes(tmp_path):
         assert ref[-1]["loss"] < ref[0]["loss"], (model, mode)  # it trains
         for other in ("full_shard-w2", "full_shard-w4", "hybrid_shard-w4"):
             got = json.loads((tmp_path / f"{model}-{mode}-{other}.json").read_text())
+            worst = max(abs(a[k] - b[k]) / max(1.0, abs(a[k])) for a, b in zip(ref, got, strict=True) for k in a)
+            print(f"{model:<15} {mode:<6} {other:<15} loss {ref[0]['loss']:.4f} -> {ref[-1]['loss']:.4f}  "
+                  f"max relative deviation {worst:.1e}")  # the figures (pytest -s)
             for step, (a, b) in enumerate(zip(ref, got, strict=True)):
                 for k in a:
                     assert abs(a[k] - b[k]) <= TOL * max(1.0, abs(a[k])), (model, mode, other, step, k, a[k], b[k])

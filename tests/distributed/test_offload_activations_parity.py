@@ -94,12 +94,17 @@ def _packed_steps(model, sharded, opt, steps: int = 4) -> list[float]:
     return losses
 
 
-def _packed_parity(mode: str) -> None:
-    """Packed rows through the per-document attention: 2 ranks equal one process."""
+def packed_reference(mode: str) -> list[float]:
+    """One process, the plain block: the per-step losses of `_packed_steps`."""
     ref_model = _model("tiny-llama", mode, build=_document_model)
     if mode == "qlora":
         nf4_reference_weights(ref_model)
-    ref = _packed_steps(ref_model, None, adamw(ref_model))
+    return _packed_steps(ref_model, None, adamw(ref_model))
+
+
+def _packed_parity(mode: str) -> None:
+    """Packed rows through the per-document attention: 2 ranks equal one process."""
+    ref = packed_reference(mode)
     model = _model("tiny-llama", mode, build=_document_model)
     policy = policy_for(model, "full_shard", world=dist.get_world_size())
     if mode != "full":

@@ -33,12 +33,14 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def reference_losses(base: Path) -> list[float]:
-    """One node, 2 workers, same recipe: what every multi-node variant must reproduce (computed once)."""
+    """One node, 2 workers, same recipe: what every multi-node variant must reproduce (computed once, on forked
+    ranks: the launcher's checks and the worker without the CLI's start-up, tests/integration/forked.py)."""
     if "ref" not in _reference:
+        from tests.integration import forked
+
         run = base / "reference-1x2"
-        proc = run_train(run, "launch.nproc_per_node=2", cwd=base)
-        out, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, out[-3000:]
+        result = forked.train("tiny-cpu", *COMMON, f"train.output_dir={run}", world=2)
+        assert result.code == 0, result.err[-3000:]
         _reference["ref"] = losses(run)
         assert len(_reference["ref"]) == MAX_STEPS
     return _reference["ref"]

@@ -1,4 +1,6 @@
-"""Checkpoints, exact resume and failure safety, through the real CLI (2 CPU workers, fp32)."""
+"""Checkpoints, exact resume and failure safety (2 CPU workers, fp32): the launcher's behaviour (signals, restarts,
+exit codes, refusals) through the real CLI; the numbers after a resume through forked ranks (forked.py), which run
+the same launcher checks and worker without the CLI's start-up."""
 from __future__ import annotations
 
 import math
@@ -14,11 +16,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shardtune.worker_deaths import EXIT_WORKER_DIED
+from tests.integration import forked
 from tests.integration.runs import FAST, cli, descendants, losses, metrics, start, wait_for
 
 
+def overrides(run_dir: Path, *extra: str) -> list[str]:
+    return [f"train.output_dir={run_dir}", "train.save_every=3", *FAST, *extra]
+
+
 def train_args(run_dir: Path, *extra: str) -> list[str]:
-    return ["train", "tiny-cpu", f"train.output_dir={run_dir}", "train.save_every=3", *FAST, *extra]
+    return ["train", "tiny-cpu", *overrides(run_dir, *extra)]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +75,9 @@ def test_interrupted_write_leaves_previous_checkpoint_loadable(reference, tmp_pa
     (partial / "trainer.json").unlink()  # written last: a killed save never has it
     data_file = next(partial.glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated mid-write
-    proc = cli(*train_args(run_dir), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "incomplete checkpoint" in proc.stderr
+    run = forked.train("tiny-cpu", *overrides(run_dir))
+    assert run.code == 0, run.err[-3000:]
+    assert "incomplete checkpoint" in run.err
     assert not partial.exists()
     assert {s: v for s, v in losses(run_dir).items() if s > 3} == {s: v for s, v in losses(reference).items() if s > 3}
 
@@ -96,10 +103,10 @@ def test_resume_at_another_world_size(reference, tmp_path, nproc, micro):
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(reference / "checkpoints" / "step_3", run_dir / "checkpoints" / "step_3")
     shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
-    proc = cli(*train_args(run_dir, f"launch.nproc_per_node={nproc}", f"train.micro_batch_size={micro}"),
-               cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("train.grad_accum 1 -> 2 keeps the global batch of 16" in proc.stderr) == (nproc == 1), proc.stderr
+    run = forked.train("tiny-cpu", *overrides(run_dir, f"train.micro_batch_size={micro}"), world=nproc)
+    assert run.code == 0, run.err[-3000:]
+    assert ("train.grad_accum 1 -> 2 keeps the global batch of 16" in run.launcher_err) == (nproc == 1), run
+    assert "resumed from" in run.out, run.out[-3000:]
     got, ref = losses(run_dir), losses(reference)
     assert sorted(got) == sorted(ref)
     for step in (4, 5, 6):
@@ -130,13 +137,13 @@ def test_resume_on_other_data_needs_force_and_keeps_the_previous_recipe(referenc
 def test_resume_1_to_2_workers(reference, tmp_path):
     run_dir = tmp_path / "run"
     # One worker writes step_3 (same max_steps, so the same lr schedule); keep only that checkpoint.
-    first = cli(*train_args(run_dir, "launch.nproc_per_node=1", "train.micro_batch_size=16"), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = forked.train("tiny-cpu", *overrides(run_dir, "train.micro_batch_size=16"), world=1)
+    assert first.code == 0, first.err[-3000:]
     shutil.rmtree(run_dir / "checkpoints" / "step_6")
     (run_dir / "checkpoints" / "latest").write_text("step_3")
     # Same command with 2 workers and max_steps=6: picks up step_3 written by one worker.
-    proc = cli(*train_args(run_dir), cwd=tmp_path)
-    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    run = forked.train("tiny-cpu", *overrides(run_dir))
+    assert run.code == 0 and "resumed from" in run.out, run.err[-3000:]
     got, ref = losses(run_dir), losses(reference)
     assert sorted(got) == sorted(ref)
     for step in ref:
@@ -212,9 +219,10 @@ def test_nonfinite_loss_stops_with_exit_4_or_skips(tmp_path):
     assert rows[-1]["step"] == first_bad and rows[-1]["skipped"]
     assert f"non-finite loss/grad norm at step {first_bad}" in proc.stderr
     assert "ChildFailedError" not in proc.stderr  # a documented stop, not torchrun's failure report
-    skip = cli(*train_args(tmp_path / "b", *blowup, "train.skip_nonfinite=2"), cwd=tmp_path)
-    assert skip.returncode == 4
-    assert f"at step {first_bad + 2}" in skip.stderr  # two skipped, the third stops the run
+    # The exit code and its line are the launcher's (above); how many steps are skipped is the trainer's.
+    skip = forked.train("tiny-cpu", *overrides(tmp_path / "b", *blowup, "train.skip_nonfinite=2"))
+    assert skip.code == 4, skip.err[-3000:]
+    assert f"at step {first_bad + 2}" in skip.err  # two skipped, the third stops the run
 
 
 def test_resume_of_a_bad_path_is_a_user_error(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from shardtune.config.load import load_recipe
 from shardtune.data import build_data
 from shardtune.model import build_tokenizer
+from tests.integration import forked
 from tests.integration.runs import SHARDTUNE, cli, summary
 
 SAMPLES = 24
@@ -17,11 +18,12 @@ SAMPLES = 24
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """~100 steps of the demo: enough that it reverses part of the held-out strings, not all."""
+    """~100 steps of the demo: enough that it reverses part of the held-out strings, not all. On forked ranks
+    (forked.py: the launcher's checks and the worker without the CLI's start-up): generate and chat are tested."""
     run = tmp_path_factory.mktemp("gen") / "run"
-    proc = cli("train", "tiny-cpu", f"train.output_dir={run}", "train.max_steps=100", "train.eval_every=0",
-               f"train.demo_eval_samples={SAMPLES}", "data.seq_len=64", "data.num_samples=2000", cwd=run.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = forked.train("tiny-cpu", f"train.output_dir={run}", "train.max_steps=100", "train.eval_every=0",
+                          f"train.demo_eval_samples={SAMPLES}", "data.seq_len=64", "data.num_samples=2000")
+    assert result.code == 0, result.err[-3000:]
     return run
 
 

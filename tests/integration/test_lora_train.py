@@ -1,6 +1,8 @@
 """LoRA through the real CLI with every memory feature on (the bundled tiny-lora-cpu recipe: LoRA + bf16 +
 activation checkpointing + CPU offload, 2 CPU workers): trains, checkpoints adapters + optimizer only, resumes
-exactly, and `final/` and `shardtune export` are PEFT adapters that load with PeftModel.from_pretrained."""
+exactly, and `final/` and `shardtune export` are PEFT adapters that load with PeftModel.from_pretrained. The runs
+after the reference (a resume, another world size, a pretrained base) train on forked ranks (forked.py): the same
+launcher checks and worker, without the CLI's start-up."""
 from __future__ import annotations
 
 import json
@@ -16,11 +18,16 @@ from transformers import AutoModelForCausalLM
 
 from shardtune.config.load import load_recipe
 from shardtune.model import build_model
+from tests.integration import forked
 from tests.integration.runs import FAST, cli, losses
 
 
+def overrides(run_dir: Path, *extra: str) -> list[str]:
+    return [f"train.output_dir={run_dir}", "train.save_every=3", *FAST, *extra]
+
+
 def train_args(run_dir: Path, *extra: str) -> list[str]:
-    return ["train", "tiny-lora-cpu", f"train.output_dir={run_dir}", "train.save_every=3", *FAST, *extra]
+    return ["train", "tiny-lora-cpu", *overrides(run_dir, *extra)]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +55,9 @@ def test_lora_resume_is_exact(reference, tmp_path):
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(reference / "checkpoints" / "step_3", run_dir / "checkpoints" / "step_3")
     (run_dir / "checkpoints" / "latest").write_text("step_3")
-    proc = cli(*train_args(run_dir), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+    run = forked.train("tiny-lora-cpu", *overrides(run_dir))
+    assert run.code == 0, run.err[-3000:]
+    assert "resumed from" in run.out
     assert losses(run_dir) == {s: v for s, v in losses(reference).items() if s > 3}
 
 
@@ -77,9 +84,9 @@ def test_lora_over_pretrained_checkpoint_loads_sharded(tmp_path):
     base = base_model()
     base.save_pretrained(tmp_path / "pre", max_shard_size="300KB")
     run_dir = tmp_path / "run"
-    proc = cli(*train_args(run_dir, "model.init=pretrained", f"model.path={tmp_path / 'pre'}", "model.config=null",
-                           "train.max_steps=2"), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = forked.train("tiny-lora-cpu", *overrides(run_dir, "model.init=pretrained", f"model.path={tmp_path / 'pre'}",
+                                                   "model.config=null", "train.max_steps=2"))
+    assert run.code == 0, run.err[-3000:]
     ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         tuned = PeftModel.from_pretrained(base, str(run_dir / "final")).eval()(input_ids=ids).logits
@@ -165,8 +172,8 @@ def test_sharded_adapter_states_resume_on_one_worker(tmp_path):
     batch) resumes from it with the 2-worker run's losses (fp32 compute, so the two worlds agree to 1e-5)."""
     run_dir = tmp_path / "two"
     fp32 = ("engine.mixed_precision=fp32", "engine.shard_adapter_states=true")
-    proc = cli(*train_args(run_dir, *fp32), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = forked.train("tiny-lora-cpu", *overrides(run_dir, *fp32))
+    assert run.code == 0, run.err[-3000:]
     keys = set(dcp.FileSystemReader(str(run_dir / "checkpoints" / "step_3")).read_metadata().state_dict_metadata)
     adapters = {k.removeprefix("replicated.") for k in keys if k.startswith("replicated.")}
     assert len(adapters) == 4 * 7 * 2  # lora_A and lora_B of 7 projections in each of tiny-llama's 4 blocks
@@ -176,8 +183,8 @@ def test_sharded_adapter_states_resume_on_one_worker(tmp_path):
     (one / "checkpoints").mkdir(parents=True)
     shutil.copytree(run_dir / "checkpoints" / "step_3", one / "checkpoints" / "step_3")
     (one / "checkpoints" / "latest").write_text("step_3")
-    proc = cli(*train_args(one, *fp32, "launch.nproc_per_node=1", "train.micro_batch_size=16"), cwd=tmp_path)
-    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    run = forked.train("tiny-lora-cpu", *overrides(one, *fp32, "train.micro_batch_size=16"), world=1)
+    assert run.code == 0 and "resumed from" in run.out, run.err[-3000:]
     got, ref = losses(one), {s: v for s, v in losses(run_dir).items() if s > 3}
     assert sorted(got) == sorted(ref)
     for step in ref:

@@ -2,7 +2,8 @@
 - it learns: held-out exact match rises from 0% on the demo task (fp32 compute, as the recipe ships);
 - with bf16 compute + activation checkpointing (the 70B recipes' setting): checkpoints hold adapters + optimizer
   only, resume is exact, `final/` and `shardtune export` are PEFT adapters that load onto the *bf16* (unquantized)
-  base with PeftModel.from_pretrained."""
+  base with PeftModel.from_pretrained. The resume trains on forked ranks (forked.py): the same launcher checks and
+  worker, without the CLI's start-up."""
 from __future__ import annotations
 
 import shutil
@@ -15,6 +16,7 @@ from peft import PeftModel
 
 from shardtune.config.load import load_recipe
 from shardtune.model import build_model
+from tests.integration import forked
 from tests.integration.runs import FAST, cli, losses, metrics, summary
 
 RECIPE = "tiny-qlora-cpu"
@@ -22,9 +24,12 @@ RECIPE = "tiny-qlora-cpu"
 BF16_CKPT = ["engine.mixed_precision=bf16", "engine.activation_checkpointing=true"]
 
 
+def overrides(run_dir: Path, *extra: str) -> list[str]:
+    return [f"train.output_dir={run_dir}", "train.save_every=2", *FAST, "train.max_steps=4", *BF16_CKPT, *extra]
+
+
 def train_args(run_dir: Path, *extra: str) -> list[str]:
-    return ["train", RECIPE, f"train.output_dir={run_dir}", "train.save_every=2", *FAST, "train.max_steps=4",
-            *BF16_CKPT, *extra]
+    return ["train", RECIPE, *overrides(run_dir, *extra)]
 
 
 def test_qlora_learns_the_demo_task(tmp_path):
@@ -32,13 +37,13 @@ def test_qlora_learns_the_demo_task(tmp_path):
     match from 0% by a wide margin (seed 0: 95%; 47-95% over seeds 0-2; 100% at the recipe's 300 steps) and the
     loss from ~4.8 at step 1 (uniform over 128 tokens: 4.85) to a held-out ~2.4, near its ~2.3 floor (the frozen
     random lm_head and final norm cap the logit margin; see bench/RESULTS.md)."""
-    run_dir = tmp_path / "run"
-    proc = cli("train", RECIPE, f"train.output_dir={run_dir}", "train.max_steps=150", "train.eval_every=0",
-               "train.save_every=0", "train.save_final=false", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"  # forked ranks: a numeric check (the launcher's part is the reference's below)
+    run = forked.train(RECIPE, f"train.output_dir={run_dir}", "train.max_steps=150", "train.eval_every=0",
+                       "train.save_every=0", "train.save_final=false")
+    assert run.code == 0, run.err[-3000:]
     result = summary(run_dir)
-    assert "held-out exact-match accuracy: before" in proc.stdout
-    assert result["accuracy_before"] <= 0.02 and result["accuracy_after"] >= 0.3, (result, proc.stdout[-1500:])
+    assert "held-out exact-match accuracy: before" in run.out
+    assert result["accuracy_before"] <= 0.02 and result["accuracy_after"] >= 0.3, (result, run.out[-1500:])
     lines = metrics(run_dir)
     assert lines[0]["loss"] > 4.5 and lines[-1]["eval_loss"] < 3.0, (lines[0], lines[-1])
 
@@ -61,9 +66,9 @@ def test_qlora_checkpoint_resume_and_adapters(reference, tmp_path):
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(reference / "checkpoints" / "step_2", run_dir / "checkpoints" / "step_2")
     (run_dir / "checkpoints" / "latest").write_text("step_2")
-    proc = cli(*train_args(run_dir), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+    run = forked.train(RECIPE, *overrides(run_dir))
+    assert run.code == 0, run.err[-3000:]
+    assert "resumed from" in run.out
     assert losses(run_dir) == {s: v for s, v in losses(reference).items() if s > 2}
 
     out = tmp_path / "export"

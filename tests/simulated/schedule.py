@@ -104,6 +104,8 @@ def offload_reductions_bounded() -> None:
     copied = {}  # label -> the event recorded on the reduce stream after its D2H copy
     for i, e in enumerate(trace):
         if e[0] == "op" and e[2] == "d2h":
+            if e[1] == "h2d" and e[3] == "root":
+                continue  # the row-sharded tables' gradients, copied on the copy stream (offload_table_grads.py)
             assert e[1] == "reduce"
             copied[e[3]] = next(f[2] for f in trace[i + 1:] if f[0] == "record" and f[1] == "reduce")
     _each_reduction_waited_before_the_next(trace, lambda label: ("wait_event", "compute", copied[label]))

@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtune.attention import NAME, doc_lengths
+from shardtune.attention_mask import generation_attention
 from shardtune.config.schema import ModelConfig
 from shardtune.data.formats import IGNORE
 from shardtune.loss import token_loss_sum
@@ -105,7 +106,8 @@ def test_packed_row_creates_no_s_squared_tensor(ours):
 
 
 def test_batched_generation_with_left_padding_matches_transformers_sdpa():
-    """Generation keeps transformers' SDPA path (padding mask, KV cache): the same greedy tokens."""
+    """transformers' generate on the per-document attention, which transformers gives no mask (the left padding
+    is told by the position ids), and under generation_attention (transformers' SDPA): its SDPA's greedy tokens."""
     ours = _model().eval()
     ref = build_model(ModelConfig(config="configs/models/tiny-llama.json"), seed=0).eval()
     ref.set_attn_implementation("sdpa")
@@ -113,4 +115,8 @@ def test_batched_generation_with_left_padding_matches_transformers_sdpa():
     mask = torch.ones_like(ids)
     mask[0, :4], ids[0, :4] = 0, 0
     kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(ours.generate(**kw), ref.generate(**kw))
+    want = ref.generate(**kw)
+    with generation_attention(ours):
+        assert torch.equal(ours.generate(**kw), want)
+    assert ours.config._attn_implementation == NAME
+    assert torch.equal(ours.generate(**kw), want)

@@ -1,13 +1,12 @@
 """The tokenized data cache: hits skip tokenization, inputs invalidate it, races and kills cannot corrupt it, rows
-equal the in-memory reference, batches are a pure function of (seed, step), and `shardtune prepare` end to end."""
+equal the in-memory reference, batches are a pure function of (seed, step), and `shardtune prepare` end to end (through the installed executable, and a build SIGKILLed in its own process:
+tests/integration/test_installed_executable.py, test_fresh_interpreter.py)."""
 from __future__ import annotations
 
 import json
 import os
 import random
-import subprocess
 import sys
-import textwrap
 import threading
 import warnings
 from pathlib import Path
@@ -149,28 +148,7 @@ def test_two_concurrent_builders_do_not_corrupt(tmp_path, monkeypatch):
         np.testing.assert_array_equal(x, y)
 
 
-def test_killed_build_leaves_no_trusted_cache(tmp_path):
-    cfg = _cfg(tmp_path, _write(tmp_path / "d.jsonl", _rows(60)))
-    # SIGKILL after the documents are tokenized, before the manifest and the rename: nothing can clean up.
-    code = textwrap.dedent(f"""
-        import json, os, signal
-        from shardtune.config.schema import DataConfig
-        from shardtune.data.char_tokenizer import build_char_tokenizer
-        from shardtune.data.pipeline import build_data
-        cfg = DataConfig(**json.loads({json.dumps(json.dumps(vars(cfg)))}))
-        build_data(cfg, build_char_tokenizer(), seed=0,
-                   progress=lambda done, total: os.kill(os.getpid(), signal.SIGKILL))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-2000:]
-    root = tmp_path / "cache"
-    leftovers = list(root.glob(".tmp-*"))
-    assert leftovers and list(leftovers[0].glob("docs-*.arrow")) and _entries(root) == []
-    data = build_data(cfg, TOK, seed=0)  # the half build is ignored: a full build, then a usable entry
-    assert data.built and len(data.train) > 0
-    os.utime(leftovers[0], (0, 0))  # a day-old temp dir is swept by the next build
-    build_data(_cfg(tmp_path, tmp_path / "d.jsonl", seq_len=40), TOK, seed=0)
-    assert not leftovers[0].exists()
+
 
 
 # step 0 of builtin:reverse (seed 0, 40 samples, seq_len 48, packed): two documents in the first row
@@ -217,53 +195,11 @@ def test_memory_tracker_does_not_see_the_dataset(tmp_path):
     assert len(data.train) > 50 and snapshot_live_bytes() == before  # memory maps and numpy, no tensors
 
 
-def test_prepare_cli_prints_stats_and_bad_data_exits_2(tmp_path):
-    path = _write(tmp_path / "d.jsonl", _rows(80))
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"body": "no prompt column"}\n')
-    run = tmp_path / "run"
-    # Both at once: each start-up imports torch and transformers (~5 s idle, much more on a loaded machine).
-    good_proc, bad_proc = (subprocess.Popen([str(SHARDTUNE), "prepare", "tiny-cpu", f"data.path={p}", "data.seq_len=32",
-                                             f"train.output_dir={run}"], stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True) for p in (path, bad))
-    out, err = good_proc.communicate(timeout=300)
-    assert good_proc.returncode == 0, err[-2000:]
-    entry = next(p for p in (run / "data_cache").iterdir() if not p.name.startswith("."))
-    assert f"cache: {entry} (built in" in out and (entry / "manifest.json").exists()
-    stats = json.loads((entry / "manifest.json").read_text())["stats"]["train"]
-    for text in (f"source rows: 80 -> train {stats['documents']} documents in {stats['rows']} rows of 32",
-                 f"tokens: {stats['tokens']:,} train ({stats['target_tokens']:,} with a loss)",
-                 "truncated documents", "packing efficiency:", "document length"):
-        assert text in out, out
-    counts = out.split("truncated documents (longer than data.seq_len=32): ")[1].split("\n")[0]
-    assert (f"{counts} documents longer" in err) == (counts.split()[0] != "0"), (out, err)  # the same counts
-
-    _, err = bad_proc.communicate(timeout=300)
-    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert bad_proc.returncode == 2 and "Traceback" not in err, err[-2000:]
-    assert len(errors) == 1 and "column" in errors[0] and "data.path" in errors[0]
-
-
-def test_builtin_tasks_build_without_datasets_and_equal_the_datasets_path(tmp_path):
-    """Builtin tasks are tokenized in-process with pyarrow (the demo's first run imports neither `datasets` nor
-    pandas, not even for its first batch); the entry holds the same rows, stats and held-out raw rows as the
-    `datasets.map` path used for files."""
+def test_builtin_tasks_equal_the_datasets_path(tmp_path):
+    """Builtin tasks are tokenized in-process with pyarrow (that the demo's first run imports neither `datasets` nor
+    pandas: tests/integration/test_fresh_interpreter.py); the entry holds the same rows, stats and held-out raw rows
+    as the `datasets.map` path used for files."""
     cfg = DataConfig(path="builtin:sort", format="instruction", seq_len=40, num_samples=300, eval_fraction=0.1)
-    script = textwrap.dedent(f"""
-        import sys
-        from shardtune.config.schema import DataConfig
-        from shardtune.data import build_data
-        from shardtune.data.char_tokenizer import build_char_tokenizer
-        data = build_data(DataConfig(path="builtin:sort", format="instruction", seq_len=40, num_samples=300,
-                                     eval_fraction=0.1, cache_dir={str(tmp_path / 'sub')!r}), build_char_tokenizer(), seed=0)
-        assert data.built and len(data.train) > 0
-        data.train.take([0, 1])
-        print("datasets" in sys.modules, "pandas" in sys.modules)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "False False"
-
     import datasets
 
     entries = []

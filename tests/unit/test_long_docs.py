@@ -1,11 +1,10 @@
 """data.long_docs: truncate (the default) keeps a document's first seq_len tokens; split keeps every token, in
 seq_len pieces that continue one another (each piece reads the previous one's last token as context), so every
 token but a document's first is a target exactly once, with and without packing. `prepare` counts the split
-documents and pieces, and transformers' too-long-sequence warning is not shown."""
+documents and pieces, and transformers' too-long-sequence warning is not shown (through the installed executable:
+tests/integration/test_installed_executable.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,6 @@ from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.formats import IGNORE
 
 TOK = build_char_tokenizer()
-SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
 SEQ = 16
 
 
@@ -72,14 +70,3 @@ def test_truncate_stays_the_default(tmp_path):
     kept = sorted(toks for toks, _ in segments(*data.train.take(np.arange(len(data.train)))))
     assert kept == sorted(d[:SEQ] for d in docs) and data.manifest["stats"]["train"]["truncated"] == 1
 
-
-def test_prepare_reports_the_split_and_no_tokenizer_length_warning(tmp_path):
-    write_docs(tmp_path / "long.txt", [5000, 20, 9000])  # over the char tokenizer's model_max_length (4096)
-    proc = subprocess.run([SHARDTUNE, "prepare", "tiny-cpu", f"data.path={tmp_path / 'long.txt'}", "data.format=text",
-                           "data.seq_len=64", "data.long_docs=split", "data.eval_fraction=0",
-                           f"train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    pieces = 1 + sum(-(-(n + 2 - 1) // 63) for n in (5000, 9000))
-    assert f"split documents (longer than data.seq_len=64): 2 (train 2, eval 0), into {pieces:,} pieces" in proc.stdout
-    assert "Token indices sequence length" not in proc.stderr, proc.stderr

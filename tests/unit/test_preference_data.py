@@ -1,10 +1,9 @@
 """data.format=preference: pair layout in the cache, prompt masking, truncation, chat rows, field remapping, pairs
-kept whole across ranks and micro-batches, and bad rows through the installed executable."""
+kept whole across ranks and micro-batches, and bad rows through `main()` (the installed executable's one line:
+tests/integration/test_installed_executable.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +12,11 @@ from shardtune.config.schema import DataConfig
 from shardtune.data import build_data
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.formats import IGNORE
-from shardtune.data.preference import PairBatches, encode_pair, truncate_pair
+from shardtune.data.pair_encoding import encode_pair, truncate_pair
+from shardtune.data.preference import PairBatches
 from tests.unit.cli_helpers import run_cli
 
 TOK = build_char_tokenizer()
-SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
 
 
 def test_truncation_keeps_prompt_end_and_response_start():
@@ -96,11 +95,10 @@ def _write(tmp_path: Path, rows: list[dict]) -> list[str]:
 
 def test_rows_without_rejected_are_one_line_exit_2(tmp_path, capsys):
     good = {"prompt": "x", "chosen": "y", "rejected": "z"}
-    # the installed executable: a file with no rejected column at all
-    proc = subprocess.run([SHARDTUNE, *_write(tmp_path, [{"prompt": "a", "chosen": "b"}] * 2)], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
-    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(err) == 1 and "rejected" in err[0], proc.stderr
+    # a file with no rejected column at all
+    code, _, err = run_cli(_write(tmp_path, [{"prompt": "a", "chosen": "b"}] * 2), capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "rejected" in lines[0], err
     # in-process (same main()): one row with rejected null, named as validate names it (prepare reads the head first)
     for missing in ("rejected", "chosen"):
         code, _, err = run_cli(_write(tmp_path, [good, {**good, missing: None}]), capsys)

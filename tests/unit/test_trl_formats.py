@@ -1,12 +1,10 @@
 """TRL's two dataset layouts without the usual column, against TRL 1.16 itself: conversational prompt/completion for
 SFT (the loss on the completion only, whatever the prompt holds) and preference rows with an implicit prompt (the
-turns chosen and rejected share). `prepare` takes both files through the installed executable."""
+turns chosen and rejected share). `prepare` takes both files (through `main()`; the installed executable's one line:
+tests/integration/test_installed_executable.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,12 +12,11 @@ from shardtune.config.schema import DataConfig
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import IGNORE, encode_batch
-from shardtune.data.preference import encode_pair, split_shared_prompt
+from shardtune.data.pair_encoding import encode_pair, split_shared_prompt
 from shardtune.data.templates import CHAT_TEMPLATES
 from tests.unit.cli_helpers import run_cli
 
 trl_data = pytest.importorskip("trl.data_utils")
-SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
 
 
 def chatml_tokenizer():
@@ -82,7 +79,6 @@ def test_prepare_takes_both_layouts_and_refuses_pairs_with_nothing_shared(tmp_pa
     code, out, err = run_cli(args(IMPLICIT * 4, "tiny-dpo-cpu"), capsys)
     assert code == 0 and "preference pairs: 8 train" in out, err[-2000:]
     unrelated = {"chosen": [msg("user", "a"), msg("assistant", "b")], "rejected": [msg("user", "c")]}
-    proc = subprocess.run([SHARDTUNE, *args([unrelated] * 2, "tiny-dpo-cpu")], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)  # the installed executable
-    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(err) == 1 and "share no opening turn" in err[0], proc.stderr
+    code, _, err = run_cli(args([unrelated] * 2, "tiny-dpo-cpu"), capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "share no opening turn" in lines[0], err

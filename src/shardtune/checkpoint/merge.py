@@ -47,14 +47,12 @@ def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
     if getattr(config, "use_rslora", False):
         raise UserError("export --merge: rsLoRA adapters are not supported: export the adapter without --merge")
     scale = config.lora_alpha / config.r
-    if final and getattr(config, "target_parameters", None):
-        # final/ holds expert adapters in peft's target_parameters layout; the checkpoint holds ours, whose storage
-        # order the merge knows (experts.merge_factors)
-        raise UserError(f"export --merge: '{ckpt}' adapts MoE expert weights: merge from the run's checkpoint "
-                        "(checkpoints/latest) instead of final/")
     adapters = _peft_tensors(ckpt) if final else adapter_tensors(ckpt)  # {parameter name: tensor}
     recipe = _run_recipe(ckpt.parent if final else ckpt.parent.parent)
-    deltas = _deltas(adapters) | _expert_deltas(adapters, recipe)
+    experts = {}
+    if getattr(config, "target_parameters", None):  # per-expert adapters of fused expert weights (experts.py)
+        adapters, experts = _expert_deltas(adapters, recipe, config, peft_layout=final)
+    deltas = _deltas(adapters) | experts
     with ExitStack() as stack:
         written = write_safetensors(_merged(_base_tensors(recipe, stack), deltas, scale), out,
                                     max_shard_bytes=max_shard_bytes, progress=progress)
@@ -88,18 +86,22 @@ def _deltas(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
-def _expert_deltas(adapters: dict[str, torch.Tensor], recipe) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per-expert adapters of fused 3-D expert weights (experts.py); the meta model says their storage order."""
+def _expert_deltas(adapters: dict[str, torch.Tensor], recipe, config, *, peft_layout: bool
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(the Linears' adapters, the experts' factors by base key). The meta model says which modules hold experts
+    and their storage order. `peft_layout`: final/'s tensors, in peft's target_parameters layout, read back to ours."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.experts import merge_factors
+    from shardtune.experts import expert_modules, expert_tensors_from_peft, merge_factors
     from shardtune.loading import build_empty
     from shardtune.model import load_config
 
-    if not any(name.endswith(".lora_A") for name in adapters):
-        return {}
     model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
-    return {checkpoint_key(k): v for k, v in merge_factors(adapters, model).items()}
+    if peft_layout:
+        adapters = expert_tensors_from_peft(adapters, list(config.target_parameters),
+                                            {name for name, _ in expert_modules(model)}, r=config.r)
+    factors = {checkpoint_key(k): v for k, v in merge_factors(adapters, model).items()}
+    return {k: t for k, t in adapters.items() if not k.endswith((".lora_A", ".lora_B"))}, factors
 
 
 def _run_recipe(run_dir: Path):  # -> Recipe

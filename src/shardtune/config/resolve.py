@@ -3,13 +3,10 @@ Setup.from_recipe), `plan --simulate` and the tests all call `resolve_engine`. S
 the engine below never sees the recipe. What needs the model (the wrap classes) is added by parallelize.py."""
 from __future__ import annotations
 
-import torch
-
+from shardtune.config.dtypes import DTYPES
 from shardtune.config.schema import Recipe, check_world
 from shardtune.engine.api import BackwardSchedule, MixedPrecision, ShardingPolicy, ShardingStrategy
 from shardtune.lora import is_adapter
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_engine(recipe: Recipe, *, world_size: int, local_world_size: int, accelerator: bool) -> ShardingPolicy:

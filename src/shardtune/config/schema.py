@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardtune.config.data_keys import check_data_config
 from shardtune.errors import UserError
 
 
@@ -84,7 +85,7 @@ class EngineConfig:
     backward_schedule: str = "auto"
     # QLoRA: an NF4 weight's matmuls dequantize tiles of output rows of at most this many MB (compute dtype) into a
     # reused buffer, forward and backward, instead of the whole weight (+~14 B/weight of torchao temporaries).
-    # 0 = off: torchao's whole-weight linear_nf4 (today's path).
+    # 0 = off: torchao's whole-weight linear_nf4.
     nf4_tile_mb: float = 64.0
     # The embedding and lm_head sharded by vocabulary rows and never all-gather (engine/vocab.py): saves the
     # gathered root's two V x H tables. Sharded strategies with more than one rank in the shard group (FSDP2: the
@@ -99,7 +100,8 @@ class EngineConfig:
     # on the host and twice over PCIe (overlapped). Needs engine.activation_checkpointing.
     offload_activations: bool = False
     # Each decoder block's MLP runs over chunks of this many tokens of the micro-batch (tiled_mlp.py): its b·s·i
-    # intermediates exist one chunk at a time, for one more MLP forward per step. 0 = off (the whole sequence).
+    # intermediates exist one chunk at a time, for one more MLP forward per step. The block's RMSNorms and LoRA
+    # adapter branches (dropout 0) run chunked too: no fp32 copy of a whole b·s·h input. 0 = off (whole sequence).
     mlp_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -167,8 +169,6 @@ class DataConfig:
     prepare_timeout_min: int = 120  # how long other ranks wait for rank 0's cache build before giving up
 
     def __post_init__(self) -> None:
-        from shardtune.data.sources import check_data_config
-
         check_data_config(self)
         _check(self.seq_len >= 8, "data.seq_len", f"must be >= 8, got {self.seq_len}")
         _check(self.long_docs in ("truncate", "split"), "data.long_docs",
@@ -221,7 +221,7 @@ class TrainConfig:
     # With dpo, micro_batch_size counts pairs: each forward runs 2 x micro_batch_size rows (chosen + rejected).
     objective: str = "sft"
     # Tokens per chunk of the fused head projection + cross-entropy (loss.py): only C*V logits ever exist instead of
-    # b*s*V (compute dtype + fp32 + fp32 gradient). 0 = off: today's path, full logits.
+    # b*s*V (compute dtype + fp32 + fp32 gradient). 0 = off: full logits in one piece.
     loss_chunk_tokens: int = 1024
     # Mixtures of experts: weight of the routers' load-balancing loss (router_loss.py: per packed row, so data
     # parallelism stays exact), added to the SFT loss. 0 = off (the models' own config value is not used).

@@ -27,22 +27,27 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
+from shardtune.data.docs import (
+    BATCH_ROWS,
+    EVAL_RAW_KEEP,
+    docs_table,
+    int_column,
+    manifest,
+    token_dtype,
+    write_docs,
+)
 from shardtune.data.fields import resolve_fields
-from shardtune.data.formats import IGNORE, encode_batch
-from shardtune.data.rows import buffer_view
-from shardtune.data.sources import ENTRY_KEYS
+from shardtune.data.formats import encode_batch
+from shardtune.data.preference import build_pair_entry
 from shardtune.errors import UserError
 
-EVAL_RAW_KEEP = 1024  # raw held-out rows kept for the demo's exact-match check (train.demo_eval_samples <= this)
 PIECE_ROWS = 100_000  # rows per map() call: the progress bar moves once per piece
-BATCH_ROWS = 1000  # rows per tokenizer call
 PARALLEL_MIN_ROWS = 20_000  # below this a process pool costs more than it saves
 MAX_DOC_TOKENS = 2**31 - 1  # data.long_docs=split stores documents whole (Arrow's int32 list offsets)
-HIST_EDGES = (0.125, 0.25, 0.5, 1.0)  # document length histogram bins, as fractions of seq_len
 
 
-def token_dtype(tok: PreTrainedTokenizerBase) -> str:
-    return "uint16" if len(tok) <= 2**16 else "int32"
+# Formats with a layout of their own; every other format is stored as packed documents by build_entry.
+LAYOUTS: dict[str, Callable[..., dict[str, Any]]] = {"preference": build_pair_entry}
 
 
 def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Path, *, seed: int,
@@ -52,10 +57,9 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
     n = len(raw)
     if n == 0:
         raise UserError(f"data.path: '{cfg.path}' holds no rows: point it at a non-empty dataset")
-    if cfg.format == "preference":  # pairs: a layout of their own (data/preference.py)
-        from shardtune.data.preference import build_pair_entry
-
-        return build_pair_entry(raw, cfg, tok, tmp, seed=seed, progress=progress)
+    layout = LAYOUTS.get(cfg.format)
+    if layout is not None:  # a format whose rows are not packed documents (preference pairs)
+        return layout(raw, cfg, tok, tmp, seed=seed, progress=progress)
     in_memory = isinstance(raw, list)
     cfg = resolve_fields(cfg, list(raw[0]) if in_memory else raw.column_names)
     order = list(range(n))
@@ -100,10 +104,8 @@ def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Pa
             f.write(json.dumps(row, default=str) + "\n")
     del docs  # release the Arrow maps before the temp dir is renamed
     shutil.rmtree(tmp / "raw", ignore_errors=True)  # datasets' own Arrow copy of the input files
-    return {"files": files, "token_dtype": dtype, "seq_len": cfg.seq_len, "packing": cfg.packing,
-            "pad_id": tok.pad_token_id if tok.pad_token_id is not None else 0, "source_rows": n,
-            "num_eval_raw": int(num_eval), "stats": stats, "long_docs": cfg.long_docs, "histogram": length_histogram(length, cfg.seq_len),
-            "data": {k: getattr(cfg, k) for k in ENTRY_KEYS}}  # the resolved fields (demo, report)
+    return manifest(cfg, tok, files=files, dtype=dtype, source_rows=n, num_eval_raw=num_eval, stats=stats,
+                    lengths=length, packing=cfg.packing, long_docs=cfg.long_docs)
 
 
 def _encode_dataset(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
@@ -182,13 +184,6 @@ def _encode_rows(raw: list[dict[str, Any]], cfg: DataConfig, tok: PreTrainedToke
     return [name], docs
 
 
-def write_docs(docs: pa.Table, tmp: Path, name: str = "docs-00000.arrow") -> str:
-    """One Arrow IPC stream file of documents, the format rows.py maps."""
-    with pa.OSFile(str(tmp / name), "wb") as sink, pa.ipc.new_stream(sink, docs.schema) as writer:
-        writer.write_table(docs)
-    return name
-
-
 def layout_rows(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:
     """Row r holds documents [offsets[r], offsets[r+1]) of the split's document order. Packing is greedy and
     never splits a document: one that does not fit in the current row's space starts the next row."""
@@ -241,47 +236,3 @@ def _encode_for_cache(batch: dict[str, list[Any]], *, cfg: DataConfig, tok: PreT
     return docs_table(encode_batch(batch, cfg, tok), seq_len=keep, dtype=dtype)
 
 
-def docs_table(docs: list[tuple[list[int], list[int]]], *, seq_len: int, dtype: str) -> pa.Table:
-    """(ids, labels) documents -> the cache's Arrow table (input_ids, target, length, num_targets)."""
-    import itertools
-
-    length = np.fromiter((len(ids) for ids, _ in docs), dtype=np.int64, count=len(docs))
-    kept = np.minimum(length, seq_len)
-    total = int(kept.sum())
-    flat_ids = np.fromiter(itertools.chain.from_iterable(ids[:seq_len] for ids, _ in docs), dtype=dtype,
-                           count=total)
-    target = np.fromiter(itertools.chain.from_iterable(lab[:seq_len] for _, lab in docs), dtype=np.int64,
-                         count=total) != IGNORE
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum(kept, out=offsets[1:])
-    target[offsets[:-1][kept > 0]] = False
-    cum = np.concatenate([[0], np.cumsum(target)])
-    num_targets = cum[offsets[1:]] - cum[offsets[:-1]]
-    assert total < 2**31, "a 1,000-row batch cut to seq_len fits int32 offsets"
-    off = _arrow(offsets.astype(np.int32))
-    return pa.table({"input_ids": pa.ListArray.from_arrays(off, _arrow(flat_ids)),
-                     "target": pa.ListArray.from_arrays(off, _arrow(target)),
-                     "length": _arrow(length.astype(np.int32)), "num_targets": _arrow(num_targets.astype(np.int32))})
-
-
-# numpy <-> Arrow through the buffers: `pa.array(ndarray)` and `Array.to_numpy()` import pandas (~0.2 s), which a
-# builtin-task build and the training ranks otherwise never need.
-_ARROW_TYPES = {np.dtype(np.uint16): pa.uint16(), np.dtype(np.int32): pa.int32(), np.dtype(np.bool_): pa.bool_()}
-
-
-def _arrow(x: np.ndarray) -> pa.Array:
-    """A 1D numpy array as an Arrow array without nulls (booleans bit-packed, LSB first, as Arrow stores them)."""
-    data = np.packbits(x, bitorder="little") if x.dtype == np.bool_ else np.ascontiguousarray(x)
-    return pa.Array.from_buffers(_ARROW_TYPES[x.dtype], len(x), [None, pa.py_buffer(data)])
-
-
-def length_histogram(length: np.ndarray, seq_len: int) -> dict[str, list[int]]:
-    """Document lengths (before truncation; 0 = nothing to learn, left out) in HIST_EDGES bins of seq_len."""
-    edges = [0] + [int(f * seq_len) for f in HIST_EDGES] + [max(int(length.max()), seq_len) + 1]
-    counts, _ = np.histogram(length[length > 0], bins=edges)
-    return {"edges": edges, "counts": counts.tolist()}
-
-
-def int_column(table: pa.Table, name: str) -> np.ndarray:
-    chunks = [buffer_view(c, np.int32) for c in table.column(name).chunks]
-    return np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, dtype=np.int64)

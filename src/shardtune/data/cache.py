@@ -27,8 +27,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from shardtune.config.data_keys import ENTRY_KEYS
 from shardtune.config.schema import DataConfig
-from shardtune.data.sources import ENTRY_KEYS
 
 CACHE_VERSION = 2  # 2: instruction templates (a separator after the prompt), input/chat fields
 MANIFEST = "manifest.json"

@@ -16,10 +16,10 @@ if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads file
     from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
+from shardtune.data.pair_encoding import Encoded, encode_preference
 from shardtune.data.templates import render_prompt
+from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
-
-IGNORE = -100
 
 
 class _NoLengthWarning(logging.Filter):
@@ -32,7 +32,6 @@ class _NoLengthWarning(logging.Filter):
 
 
 logging.getLogger("transformers.tokenization_utils_base").addFilter(_NoLengthWarning())
-Encoded = list[tuple[list[int], list[int]]]  # per row: (input ids, labels)
 
 # ShareGPT's speaker names -> OpenAI roles (the names seen in the wild: human/gpt, user/assistant, system).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -97,21 +96,6 @@ def encode_chat(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTok
             for m in batch[cfg.messages_field]]
 
 
-def encode_preference(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> Encoded:
-    """Two documents per row, prompt + chosen then prompt + rejected, prompt masked and truncated as training
-    stores them. Training builds pairs with data/preference.py (its own layout: never packed); this encoder is
-    what `validate` samples."""
-    from shardtune.data.preference import encode_pair, truncate_pair
-
-    out: Encoded = []
-    prompts = batch[cfg.prompt_field] if cfg.prompt_field else [None] * len(batch[cfg.chosen_field])
-    for row in zip(prompts, batch[cfg.chosen_field], batch[cfg.rejected_field]):
-        values = dict(zip((cfg.prompt_field, cfg.chosen_field, cfg.rejected_field), row))
-        p, c, r, _ = truncate_pair(*encode_pair(values, cfg, tok), cfg.seq_len)
-        out += [(p + resp, [IGNORE] * len(p) + resp) for resp in (c, r)]
-    return out
-
-
 FORMATS: dict[str, Format] = {
     "text": Format(encode_text, ("text_field",)),
     "instruction": Format(encode_instruction, ("prompt_field", "response_field"), ("input_field",)),
@@ -171,8 +155,8 @@ def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase, *
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = _as_ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True))
-        after = _as_ids(tok.apply_chat_template(messages[: i + 1], tokenize=True))
+        before = as_ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True))
+        after = as_ids(tok.apply_chat_template(messages[: i + 1], tokenize=True))
         if after[: len(before)] != before:
             raise UserError("data.format=chat: the chat template does not render turns as a prefix: "
                             "set model.chat_template=chatml or use data.format=instruction")
@@ -191,15 +175,9 @@ def _encode_prompt_completion(prompt: list[dict[str, str]], completion: list[dic
     if not tok.chat_template:
         raise UserError("data.format=chat: the tokenizer has no chat template: set model.chat_template=chatml (or "
                         "plain, or a Jinja string)")
-    before = _as_ids(tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
-    ids = _as_ids(tok.apply_chat_template(prompt + completion, tokenize=True))
+    before = as_ids(tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+    ids = as_ids(tok.apply_chat_template(prompt + completion, tokenize=True))
     if ids[: len(before)] != before:
         raise UserError("data.format=chat: the chat template does not render the completion after the prompt as a "
                         "prefix: set model.chat_template=chatml")
     return ids, list(ids) if train_on_inputs else [IGNORE] * len(before) + ids[len(before):]
-
-
-def _as_ids(x: Any) -> list[int]:
-    if isinstance(x, dict) or hasattr(x, "keys"):
-        x = x["input_ids"]
-    return list(x)

@@ -72,8 +72,8 @@ class FlatParam:
         # The shard lives on the host, apart from the compute device (told by the flag, not by `.device`: the
         # simulated host's buffers are meta tensors, plan/simulate.py).
         self.on_host = offload and accelerator.is_accelerator(device)
-        if offload:  # pinned on an accelerator: the H2D copy before each all-gather runs async
-            self.shard = accelerator.host_empty(self.shard_numel, self.dtype, device, zero=True)
+        if offload:  # pinned (CUDA: at its exact size) so that the H2D copy before each all-gather runs async
+            self.shard = accelerator.host_resident(self.shard_numel, self.dtype, device, zero=True)
         else:
             self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         for slot, (_, p, _) in zip(self.slots, params, strict=True):
@@ -100,7 +100,8 @@ class FlatParam:
         self.staged: torch.Tensor | None = None
 
         # No shard group and no cast: the shard IS the full buffer (no_shard fp32); never freed, nothing copied.
-        self.aliased = shard_size == 1 and compute_dtype == self.dtype and self.shard.device == device
+        # (Offloaded: never, told by the flag; a simulated host shard is a meta tensor, as the simulated device is.)
+        self.aliased = shard_size == 1 and compute_dtype == self.dtype and not self.on_host
         if self.aliased:
             self.full = self.shard
         else:

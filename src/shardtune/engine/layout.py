@@ -159,6 +159,7 @@ class FlatLayout:
     dtype: torch.dtype  # master dtype of the shard (the params' dtype)
     requires_grad: bool
     decay_numel: int  # first decay_numel elements get weight decay (trainable buffers)
+    uses: int = 1  # modules that compute with it: 2 for a vocabulary table tied to the head
 
     def shard_bytes(self) -> int:
         return self.shard_numel * _elem(self.dtype)
@@ -212,10 +213,11 @@ def unit_layouts(module: nn.Module, policy: ShardingPolicy, shard_size: int) -> 
 
 def vocab_layout(entry: Entry, shard_size: int) -> FlatLayout:
     """A row-sharded table: padded to whole rows per rank (a multiple of W·H elements)."""
-    _, p, _ = entry
+    _, p, locations = entry
     pad = padded(p.numel(), shard_size * p.shape[1])
     return FlatLayout(numel=p.numel(), padded_numel=pad, shard_numel=pad // shard_size, dtype=p.dtype,
-                      requires_grad=p.requires_grad, decay_numel=p.numel() if p.requires_grad else 0)
+                      requires_grad=p.requires_grad, decay_numel=p.numel() if p.requires_grad else 0,
+                      uses=max(1, len(locations)))
 
 
 def quantized_layout(entries: list[Entry], policy: ShardingPolicy, shard_size: int) -> FlatLayout | None:

@@ -51,6 +51,8 @@ def quantize_into(write: Writer, read: Callable[[int, int], torch.Tensor], layou
     time this holds one chunk, its temporaries and the absmax vector (n/64 values), never the whole weight."""
     n, dtype = layout.numel, layout.dtype
     step = chunk_numel(n)
+    if layout.transposed:
+        read = expert_major(read, layout.shape)
 
     def chunk(a: int, m: int) -> torch.Tensor:
         return read(a, m).to(device=device, dtype=dtype, copy=True)  # own storage: the source dies here
@@ -71,6 +73,31 @@ def quantize_into(write: Writer, read: Callable[[int, int], torch.Tensor], layou
         codes = NF4Tensor.convert_to_norm_float_weight(chunk(a, m), m // BLOCK, BLOCK, nf4)
         write(layout.codes + a // 2, codes)
         del codes
+
+
+def expert_major(read: Callable[[int, int], torch.Tensor], shape: torch.Size) -> Callable[[int, int], torch.Tensor]:
+    """A reader of experts stored [E, in, out] that returns flat ranges of their transpose [E, out, in], so that the
+    quantization blocks run along the input dim. One expert (in·out values, in the read's dtype) is read and
+    transposed at a time and kept for the next reads: chunks come in order, so each expert is read once per pass."""
+    e_numel, a, b = shape[1] * shape[2], shape[1], shape[2]
+    cached: dict[int, torch.Tensor] = {}
+
+    def expert(e: int) -> torch.Tensor:
+        if e not in cached:
+            cached.clear()
+            cached[e] = read(e * e_numel, e_numel).reshape(a, b).t().contiguous().reshape(-1)
+        return cached[e]
+
+    def read_t(start: int, length: int) -> torch.Tensor:
+        parts, pos = [], start
+        while pos < start + length:
+            e, off = divmod(pos, e_numel)
+            m = min(e_numel - off, start + length - pos)
+            parts.append(expert(e)[off:off + m])
+            pos += m
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return read_t
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +131,7 @@ def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, tile_bytes: int = 0) -> NF
     sb = scaler_block(n)
     e = torch.empty((), dtype=dtype, device="meta").element_size()
     n_blocks = n // BLOCK
-    rows, cols = matrix_shape(layout.shape)  # 3-D experts: a (experts·out, in) matrix (nf4_experts.py)
+    rows, cols = matrix_shape(layout.shape, layout.transposed)  # 3-D experts: (experts·out, in) (nf4_experts.py)
     meta = SubclassTensorArgs(torch.Size((rows, cols)), (cols, 1), 0, dtype, buf.device, False)
     cls = NF4Tensor
     if tile_bytes:
@@ -125,8 +152,9 @@ def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, tile_bytes: int = 0) -> NF
 
 
 def dequantize(buf: torch.Tensor, layout: Nf4Layout) -> torch.Tensor:
-    """The weight as the matmul sees it (layout.shape, layout.dtype)."""
-    return nf4_view(buf, layout).get_original_weight().view(layout.shape)
+    """The weight as the matmul sees it, in the model's storage order (layout.shape, layout.dtype)."""
+    w = nf4_view(buf, layout).get_original_weight().view(layout.quantized_shape)
+    return w.transpose(-2, -1).contiguous() if layout.transposed else w
 
 
 def quantize_parameters(module: torch.nn.Module, entries: list, dtype: torch.dtype) -> None:

@@ -1,8 +1,10 @@
 """Fused expert weights stored as NF4 (QLoRA on a mixture of experts): grouped matmuls over runs of experts, each
 run dequantized into the reused tile buffer (nf4_linear.py), in forward and again in backward.
 
-A layer's experts `[E, a, b]` are quantized as one `(E·a) x b` matrix (nf4_layout.matrix_shape): expert e is rows
-[e·a, (e+1)·a), whole 64-element blocks, so a run of experts dequantizes on its own with `dequantize_rows`. The
+A layer's experts `[E, out, in]` are quantized as one `(E·out) x in` matrix (nf4_layout.matrix_shape), blocks along
+the input dim like a Linear's (experts stored transposed, `[E, in, out]`, are quantized as their transpose): expert e
+is rows [e·out, (e+1)·out), whole 64-element blocks, so a run of experts dequantizes on its own with
+`dequantize_rows`. The
 experts' rows of the input are sorted by expert (experts.py); a run's rows are contiguous, so each run is one
 grouped matmul over its experts. Runs hold as many experts as `tile_bytes` of the compute dtype allow (at least one):
 one run per layer when the layer's experts fit (the whole layer dequantized: c·E·a·b bytes), else several, never
@@ -26,8 +28,8 @@ class Nf4Experts:
     """What an experts module's `gate_up_proj` / `down_proj` attribute holds while its unit is gathered under QLoRA."""
 
     def __init__(self, matrix: NF4Tensor, shape: torch.Size, *, tile_bytes: int) -> None:
-        self.matrix = matrix  # (E·a, b) NF4 over views of the gathered bytes
-        self.shape = shape  # (E, a, b) as stored
+        self.matrix = matrix  # (E·out, in) NF4 over views of the gathered bytes
+        self.shape = shape  # (E, out, in), whatever the model's storage order
         self.dtype = matrix.dtype
         self.ndim = 3
         self.tile_bytes = tile_bytes
@@ -36,10 +38,10 @@ class Nf4Experts:
         per_expert = self.shape[1] * self.shape[2] * self.dtype.itemsize
         return max(1, min(self.shape[0], self.tile_bytes // per_expert if self.tile_bytes else self.shape[0]))
 
-    def grouped_linear(self, x: torch.Tensor, offsets: torch.Tensor, *, transposed: bool) -> torch.Tensor:
-        """x (S, in), rows sorted by expert, offsets (E,) int32 cumulative row counts -> (S, out) in x's dtype.
-        `transposed`: stored [E, in, out] (y = x·W), else [E, out, in] (y = x·Wᵀ)."""
-        return _GroupedNf4.apply(x, offsets, self, transposed)
+    def grouped_linear(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x (S, in), rows sorted by expert, offsets (E,) int32 cumulative row counts -> (S, out) = x·W[e]ᵀ per
+        expert, in x's dtype."""
+        return _GroupedNf4.apply(x, offsets, self)
 
 
 def _runs(w: Nf4Experts, offsets: torch.Tensor, rows: int):
@@ -64,26 +66,22 @@ def _dequantized(w: Nf4Experts, e0: int, e1: int, scalers: torch.Tensor, dtype: 
 
 class _GroupedNf4(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, offsets: torch.Tensor, w: Nf4Experts, transposed: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, offsets: torch.Tensor, w: Nf4Experts) -> torch.Tensor:
         ctx.save_for_backward(offsets)
-        ctx.w, ctx.transposed = w, transposed  # views of the gathered NF4 bytes: nothing new kept alive
-        out_f = w.shape[2] if transposed else w.shape[1]
-        y = torch.zeros(x.shape[0], out_f, dtype=x.dtype, device=x.device)
+        ctx.w = w  # views of the gathered NF4 bytes: nothing new kept alive
+        y = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
         scalers = block_scalers(w.matrix)
         for e0, e1, r0, r1, local in _runs(w, offsets, x.shape[0]):
-            wt = _dequantized(w, e0, e1, scalers, x.dtype)
-            y[r0:r1] = grouped_mm(x[r0:r1], wt if transposed else wt.transpose(-2, -1), local)
+            y[r0:r1] = grouped_mm(x[r0:r1], _dequantized(w, e0, e1, scalers, x.dtype).transpose(-2, -1), local)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:
         (offsets,) = ctx.saved_tensors
-        w, transposed = ctx.w, ctx.transposed
-        in_f = w.shape[1] if transposed else w.shape[2]
+        w = ctx.w
         g = grad_y.contiguous()
-        gx = torch.zeros(g.shape[0], in_f, dtype=g.dtype, device=g.device)
+        gx = torch.zeros(g.shape[0], w.shape[2], dtype=g.dtype, device=g.device)
         scalers = block_scalers(w.matrix)
         for e0, e1, r0, r1, local in _runs(w, offsets, g.shape[0]):
-            wt = _dequantized(w, e0, e1, scalers, g.dtype)
-            gx[r0:r1] = grouped_mm(g[r0:r1], wt.transpose(-2, -1) if transposed else wt, local)
-        return gx, None, None, None
+            gx[r0:r1] = grouped_mm(g[r0:r1], _dequantized(w, e0, e1, scalers, g.dtype), local)
+        return gx, None, None

@@ -28,10 +28,13 @@ def quantizable(shape: torch.Size) -> bool:
     return len(shape) in (2, 3) and math.prod(shape[1:] if len(shape) == 3 else shape) % BLOCK == 0
 
 
-def matrix_shape(shape: torch.Size) -> tuple[int, int]:
-    """The 2-D matrix NF4 quantizes: 3-D experts [E, a, b] as [E·a, b], rows of each expert consecutive, blocks
-    along the stored last dim (the input dim, unless the experts are stored transposed)."""
-    return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else (shape[0], shape[1])
+def matrix_shape(shape: torch.Size, transposed: bool = False) -> tuple[int, int]:
+    """The 2-D matrix NF4 quantizes, blocks always along the input dim (as for a Linear's (out, in) weight): 3-D
+    experts [E, out, in] as [E·out, in], rows of each expert consecutive; experts stored transposed ([E, in, out],
+    gpt-oss) are quantized as their transpose, [E·out, in] too."""
+    if len(shape) == 2:
+        return shape[0], shape[1]
+    return (shape[0] * shape[2], shape[1]) if transposed else (shape[0] * shape[1], shape[2])
 
 
 FSDP2_MAX_SHARDS = 8  # engine.backend=torch splits every NF4 part by the shard count: keep them divisible
@@ -60,20 +63,21 @@ def _align(n: int, a: int = ALIGN) -> int:
 class Nf4Layout:
     """Where one weight's parts lie in a byte region of `nbytes` (a whole number of code blocks)."""
 
-    shape: torch.Size
+    shape: torch.Size  # as stored in the model
     dtype: torch.dtype  # dequantized dtype; factors and mean are stored in it
     codes: int  # offsets in bytes from the region's start
     scalers: int
     factors: int
     mean: int
     nbytes: int
+    transposed: bool = False  # 3-D experts stored [E, in, out]: quantized (and dequantized) as [E, out, in]
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @staticmethod
-    def of(shape: torch.Size, dtype: torch.dtype) -> Nf4Layout:
+    def of(shape: torch.Size, dtype: torch.dtype, *, transposed: bool = False) -> Nf4Layout:
         n = math.prod(shape)
         assert quantizable(shape), shape
         e = torch.empty((), dtype=dtype, device="meta").element_size()
@@ -82,8 +86,13 @@ class Nf4Layout:
         factors = _align(scalers + n // BLOCK)
         mean = _align(factors + n_factors * e)
         end = _align(mean + e, BLOCK_BYTES)  # the next weight's codes start on a block boundary too
-        return Nf4Layout(torch.Size(shape), dtype, 0, scalers, factors, mean, end)
+        return Nf4Layout(torch.Size(shape), dtype, 0, scalers, factors, mean, end, transposed and len(shape) == 3)
 
+    @property
+    def quantized_shape(self) -> torch.Size:
+        """The weight in the order its blocks run: `shape`, or [E, out, in] for experts stored transposed."""
+        e, a, b = self.shape if len(self.shape) == 3 else (None, None, None)
+        return torch.Size((e, b, a)) if self.transposed else self.shape
 
 
 def nbytes_per_weight(shape: torch.Size, dtype: torch.dtype) -> int:

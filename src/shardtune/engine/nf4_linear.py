@@ -61,13 +61,14 @@ def rows_per_tile(out_f: int, in_f: int, elem: int, tile_bytes: int) -> int:
     return min(rows, out_f)
 
 
-def cols_per_tile(out_f: int, in_f: int, elem: int, tile_bytes: int) -> int:
-    """Columns per backward slab: whole 64-element blocks of every row, as many as fit in `tile_bytes`; 0 when a
-    row is not whole blocks, or one block column of every row is more than `tile_bytes` (the backward then sums
-    row tiles)."""
+def cols_per_tile(out_f: int, in_f: int, elem: int, tile_bytes: int, tokens: int = 0) -> int:
+    """Columns per backward slab: whole 64-element blocks of every row, as many as fit in `tile_bytes`, and (given
+    `tokens`) few enough that the slab's product, tokens x cols, fits in it too (at 128k tokens a 64 MB slab of an
+    8B down_proj would make a 2 GiB product); 0 when a row is not whole blocks, or one block column of every row is
+    more than `tile_bytes` (the backward then sums row tiles)."""
     if in_f % BLOCK or out_f * BLOCK * elem > tile_bytes:
         return 0
-    return min(in_f, max(BLOCK, tile_bytes // max(1, out_f * elem) // BLOCK * BLOCK))
+    return min(in_f, max(BLOCK, tile_bytes // max(1, out_f * elem, tokens * elem) // BLOCK * BLOCK))
 
 
 def _gcd(a: int, b: int) -> int:
@@ -152,7 +153,10 @@ class _TiledLinear(torch.autograd.Function):
         out_f, in_f = w.shape
         # torchao computes in the input's dtype (the weight cast to it): so do the tiles
         x2 = x.reshape(-1, in_f)
-        y = torch.empty(x2.shape[0], out_f, dtype=x.dtype, device=x.device)
+        # Allocated in the output's shape and returned as is: a view returned from a Function cannot be written in
+        # place afterwards (chunked_lora.LoraDelta adds the adapter branch into the base's output).
+        out = torch.empty(*x.shape[:-1], out_f, dtype=x.dtype, device=x.device)
+        y = out.view(-1, out_f)
         rows = tile_rows(w, w.tile_bytes)
         buf = _buffer(rows * in_f, w.dtype, w.device)
         scalers = block_scalers(w)
@@ -163,7 +167,7 @@ class _TiledLinear(torch.autograd.Function):
                 torch.mm(x2, wt.t(), out=y)
             else:
                 y[:, r0:r1].copy_(x2 @ wt.t())  # N x rows: one tile's output columns
-        return y.view(*x.shape[:-1], out_f)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:
@@ -175,7 +179,7 @@ class _TiledLinear(torch.autograd.Function):
         if rows >= out_f:
             gx = g2 @ dequantize_rows(w, 0, out_f, buf).to(grad_y.dtype)
             return gx.view(*grad_y.shape[:-1], in_f), None
-        cols = cols_per_tile(out_f, in_f, w.dtype.itemsize, w.tile_bytes)
+        cols = cols_per_tile(out_f, in_f, w.dtype.itemsize, w.tile_bytes, g2.shape[0])
         scalers = block_scalers(w)
         if cols:  # column slabs: each writes its own columns of grad_x
             buf = _buffer(out_f * cols, w.dtype, w.device)

@@ -9,9 +9,11 @@ checkpoint's hooks): nothing else is offloaded, and the region's recompute is un
   pack   (forward, as the unit starts): the copy stream waits for the compute stream (the input was produced
          there), a pinned host buffer receives a non-blocking D2H copy, an event marks its end. The device tensor
          is recorded on the copy stream, so the caching allocator reuses its memory only once the copy has read it.
-  unpack (backward, the unit's recompute): its H2D copy was started ahead, when a later unit's recompute
-         unpacked (`ahead` units back: 2 by default, so one copy is in flight while the next is waited for); the
-         compute stream waits on that copy's event, never the host. A tensor not fetched yet is fetched now.
+  unpack (backward, the unit's recompute): its H2D copy was started ahead, when the next unit in backward order
+         unpacked (`ahead` units back, 1 by default: the copy has that unit's whole recompute and backward, b·s·h of
+         compute per b·s·h/PCIe-bandwidth of copy, to land); the compute stream waits on that copy's event, never the
+         host. A tensor not fetched yet is fetched now. Each unit fetched ahead costs b·s·h of device memory at the
+         backward peak (1 GiB per unit at 128k tokens on an 8B model), so one is the default.
 Cost: per checkpointed unit, b·s·h bytes over PCIe each way, overlapped with the units' compute; the device keeps
 only the inputs in flight (`ahead` + 1 at most in backward) instead of every unit's. Host: one pinned buffer per
 unit input (the pinned allocator rounds each to a power of two). No host sync is added.
@@ -40,7 +42,7 @@ class _Stashed:
 
 
 class ActivationOffloader:
-    def __init__(self, device: torch.device, *, ahead: int = 2) -> None:
+    def __init__(self, device: torch.device, *, ahead: int = 1) -> None:
         assert ahead >= 1
         self.device = torch.device(device)
         self.ahead = ahead

@@ -43,7 +43,6 @@ class Nf4Slot:
 class QuantizedFlat:
     requires_grad = False
     segments: list = []  # no trainable segment: nothing for the optimizer
-    aliased = False
     local = False  # gathered like any unit flat (only vocabulary tables stay local: engine/vocab.py)
     register_name = "_shardtune_flat_nf4"  # name of the shard on the unit module (shard.py)
 
@@ -60,7 +59,10 @@ class QuantizedFlat:
         self.slots: list[Nf4Slot] = []
         offset = 0
         for name, p, locs in params:
-            layout = Nf4Layout.of(p.shape, nf4_dtype)
+            # experts stored [E, in, out] (gpt-oss) say so (transformers' `is_transposed`): their blocks run along
+            # the input dim too, as a Linear's do
+            transposed = any(getattr(m, "is_transposed", False) for m, _ in locs)
+            layout = Nf4Layout.of(p.shape, nf4_dtype, transposed=transposed)
             self.slots.append(Nf4Slot(name, layout, offset, list(locs)))
             offset += layout.nbytes
         self.numel = offset  # unpadded bytes
@@ -69,12 +71,15 @@ class QuantizedFlat:
         self.shard_size = shard_size
         self.shard_rank = shard_rank
         self.device = device
-        # 1D, uint8, P/W bytes: this rank's codes + scales (offload: on the host, pinned on an accelerator)
-        self.shard = (accelerator.host_empty(self.shard_numel, torch.uint8, device, zero=True) if offload
+        # 1D, uint8, P/W bytes: this rank's codes + scales (offload: on the host, pinned at its exact size on CUDA)
+        self.shard = (accelerator.host_resident(self.shard_numel, torch.uint8, device, zero=True) if offload
                       else torch.zeros(self.shard_numel, dtype=torch.uint8, device=device))
         self._h2d_done = None  # offload: event after the last H2D copy (nothing waits: no one writes the base)
         self.label = ""
-        self.full = torch.empty(0, dtype=torch.uint8, device=device)  # 1D, uint8, P once gathered
+        # No shard group, on the device: the shard IS the gathered buffer (as FlatParam's no_shard fp32): the bytes
+        # are never copied, so a unit of one rank holds its base once, not twice (no_shard keeps every unit gathered).
+        self.aliased = shard_size == 1 and not offload
+        self.full = self.shard if self.aliased else torch.empty(0, dtype=torch.uint8, device=device)  # 1D, uint8
         real = {name: p for name, p, _ in params if not p.is_meta}
         if real:
             self.fill(lambda name: (lambda a, m: real[name].detach().reshape(-1)[a:a + m]), only=set(real))
@@ -106,7 +111,7 @@ class QuantizedFlat:
         return self.full.untyped_storage().nbytes() > 0
 
     def alloc_full(self) -> None:
-        if not self.is_full_allocated():
+        if not self.aliased and not self.is_full_allocated():
             storage = self.full.untyped_storage()
             storage.resize_(self.padded_numel)
             if self.full.numel() != self.padded_numel:
@@ -114,7 +119,7 @@ class QuantizedFlat:
             memory.storage_resized(self.full)
 
     def free_full(self) -> None:
-        if self.is_full_allocated():
+        if not self.aliased and self.is_full_allocated():
             memory.free_storage(self.full)
 
     def gather_input(self) -> torch.Tensor:
@@ -135,7 +140,7 @@ class QuantizedFlat:
             if len(s.shape) == 3:  # fused experts: their grouped forward dequantizes runs of experts
                 from shardtune.engine.nf4_experts import Nf4Experts
 
-                w = Nf4Experts(w, s.shape, tile_bytes=self.tile_bytes)
+                w = Nf4Experts(w, s.layout.quantized_shape, tile_bytes=self.tile_bytes)
             views.append(w)
             for module, attr in s.locations:
                 module.__dict__[attr] = w

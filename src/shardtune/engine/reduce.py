@@ -10,7 +10,9 @@ Pipeline of one flat gradient (1D, compute dtype, numel P, handed over by the un
           gloo it is issued at the next `make_room` (issuing it waits for the reduce-scatter on the CPU).
   retire  the compute stream waits for the last collective, then adds the output into the sharded gradient
           (device), or the reduce stream copies it non-blocking into a pinned host buffer, records an event and the
-          compute stream waits for that event (CPU offload; the host add happens in `wait`).
+          compute stream waits for that event (CPU offload; the host add happens in `wait`). The host buffers are
+          the flat's own, pinned at their exact size and reused every step (`_landing`): the first copy of a step
+          becomes the host gradient (reduce fp32), a later micro-step's lands beside it until it is added.
 At most `max_in_flight` reductions are issued and not retired: each keeps its gradient (P, reduce dtype) and its
 output (P/W) alive. With the default 1, the reduction of unit i overlaps the first half of unit i-1's backward
 (by gradient elements) and is retired there; only then is unit i-2 gathered ahead (engine/unit.py: at most one unit
@@ -29,6 +31,7 @@ compute stream at the next retire.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +71,13 @@ class GradReducer:
         self.replica_stream = (accelerator.new_stream(device, "replica")
                                if replicate_group is not None and shard_group is not None else None)
         self._in_flight: deque[_Pending] = deque()
-        self._host: list[tuple[FlatParam, torch.Tensor, Any]] = []  # offload: D2H copies and their events
+        # offload: D2H copies not added yet: (flat, host buffer, event after the copy, what adds it on the host)
+        self._host: list[tuple[FlatParam, torch.Tensor, Any, Callable[[torch.Tensor], None]]] = []
+        # offload: each flat's host buffers (1D, reduce dtype, numel of `out`), made once, reused every step
+        self._landing_buffers: dict[FlatParam, list[torch.Tensor]] = {}
+        # Keep them (pinned memory is costly to make and CUDA's cache would round it up); False on the host, where
+        # nothing is pinned and a buffer per copy frees its bytes between steps.
+        self.reuse_landing = accelerator.is_accelerator(device)
         self.unsharded: dict[FlatParam, torch.Tensor] = {}  # no-sync accumulation: 1D, fp32, numel P per flat
         self.num_issued = 0  # reductions issued (tests: that the async path ran)
         self.num_host_copies = 0  # offload: D2H copies issued into host buffers (tests: offload really copies)
@@ -157,7 +166,7 @@ class GradReducer:
             if item.work is not None:
                 item.work.wait()
             # Non-blocking D2H into a pinned buffer; the host reads it only after `done` (in `wait`).
-            host = accelerator.host_empty(item.out.numel(), item.out.dtype, self.device)
+            host = self._landing(item.flat, item.out)
             accelerator.copy_to_host(host, item.out)
             accelerator.note(self.device, "d2h", item.flat.label)
             done = None
@@ -167,18 +176,61 @@ class GradReducer:
         if done is not None:
             accelerator.current_stream(self.device).wait_event(done)  # the copy has read `out`: both may go
         self.num_host_copies += 1
-        self._host.append((item.flat, host, done))
+        self._host.append((item.flat, host, done, item.flat.accumulate_shard_grad))
+
+    def _landing(self, flat: FlatParam, out: torch.Tensor) -> torch.Tensor:
+        """A host buffer for the D2H copy of `out`: one of the flat's own (pinned at its exact size for the run,
+        accelerator.host_resident) that is neither its live host gradient (a copy in fp32 becomes the gradient until
+        the optimizer drops it) nor a copy still waiting to be added. Two at most: the gradient and a later
+        micro-step's copy (plan/estimate.py counts both); a fresh pinned buffer per copy would come from the
+        caching host allocator, a power of two each."""
+        if not self.reuse_landing:
+            return accelerator.host_empty(out.numel(), out.dtype, self.device)
+        buffers = self._landing_buffers.setdefault(flat, [])
+        busy = [flat.shard_grad(), *(h for f, h, _, _ in self._host if f is flat)]
+        for buf in buffers:
+            if not any(buf is b for b in busy):
+                return buf
+        buf = accelerator.host_resident(out.numel(), out.dtype, self.device)
+        buffers.append(buf)
+        return buf
+
+    def copy_to_host(self, flat: FlatParam, grad: torch.Tensor, *, stream: Any,
+                     add: Callable[[torch.Tensor], None]) -> None:
+        """Offload: a device gradient this reducer does not reduce (a row-sharded vocabulary table's, summed by
+        autograd already: engine/vocab.py) copied to the host without blocking: on `stream`, after an event on the
+        current stream (where `grad` was written), into one of the flat's landing buffers; the allocator keeps
+        `grad` until the copy has read it. `add(host)` runs on the host at the next `wait` (or
+        `add_host_copies`), after the copy's event; the flat's earlier copy is added first (a tied table's head
+        copy, issued a whole backward earlier), so two buffers per flat suffice."""
+        self._add_earlier_copy(flat)
+        grad = grad.reshape(-1)  # (a copy when not contiguous: then that copy is what the copy stream reads)
+        host = self._landing(flat, grad)
+        done = None
+        if stream is not None:
+            ready = accelerator.new_event(self.device)
+            ready.record()
+            stream.wait_event(ready)
+        with accelerator.use_stream(stream):
+            accelerator.copy_to_host(host, grad)
+            accelerator.note(self.device, "d2h", flat.label)
+            if stream is not None:
+                accelerator.record_stream(grad, stream)  # `done` covers the point recorded here
+                done = accelerator.new_event(self.device)
+                done.record(stream)
+        self.num_host_copies += 1
+        self._host.append((flat, host, done, add))
 
     def _add_earlier_copy(self, flat: FlatParam) -> None:
         """Offload, a later micro-step: the flat's copy from the previous one (a micro-step old: done by now, so
         the event wait costs nothing) is added into its host gradient before the next copy is allocated. So at most
         one copy per flat waits on the host, not one per micro-step (grad_accum x the sharded gradients)."""
-        for i, (f, host, done) in enumerate(self._host):
+        for i, (f, host, done, add) in enumerate(self._host):
             if f is flat:
                 del self._host[i]
                 if done is not None:
                     done.synchronize()
-                f.accumulate_shard_grad(host)
+                add(host)
                 return
 
     # -- once per backward / step ------------------------------------------------------------------------------------
@@ -197,11 +249,20 @@ class GradReducer:
         """Before the optimizer reads gradients (clipping, step, checkpoint): every reduced gradient is in its
         shard. Offload: the CPU blocks on exactly the D2H copies' events, then adds on the host."""
         self.finish_backward()
-        for flat, host, done in self._host:
+        self.add_host_copies(lambda flat: True)
+
+    def add_host_copies(self, which: Callable[[FlatParam], bool]) -> None:
+        """Offload: add the D2H copies of the flats `which` selects on the host, each after its event (the CPU
+        blocks until that copy is done)."""
+        keep = []
+        for flat, host, done, add in self._host:
+            if not which(flat):
+                keep.append((flat, host, done, add))
+                continue
             if done is not None:
                 done.synchronize()
-            flat.accumulate_shard_grad(host)
-        self._host.clear()
+            add(host)
+        self._host = keep
 
     def abandon(self) -> None:
         """A backward raised: wait for what was issued (the buffers must outlive the collectives, and every rank
@@ -210,7 +271,7 @@ class GradReducer:
             if item.work is not None:
                 item.work.wait()
         self._in_flight.clear()
-        for _, _, done in self._host:
+        for _, _, done, _ in self._host:
             if done is not None:
                 done.synchronize()
         self._host.clear()

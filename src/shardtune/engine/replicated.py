@@ -107,7 +107,16 @@ class ReplicatedParams:
                 lambda opt, args, kwargs: _call(ref, "_after_step", opt))
             weakref.finalize(self, hook.remove)
 
-    def _add(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+    def add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """A local gradient of `param` that reached the host outside autograd (an offloaded vocabulary table's
+        landed D2H copy, engine/vocab.py): summed into the bucket as the hook would."""
+        (i,) = [k for k, (_, p) in enumerate(self.params) if p is param]
+        self._add(i, grad.view_as(param))
+        self._fresh[i] = False  # autograd never accumulates into it: nothing to drop
+
+    def _add(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is None:  # an offloaded table's use: its gradient comes later, through `add`
+            return None
         if self.pending is None:
             self.pending = torch.zeros(self.bucket_numel, dtype=torch.float32, device=grad.device)
         a = self._offsets[i]

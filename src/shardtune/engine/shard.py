@@ -258,7 +258,7 @@ def _install_vocab_tables(ctx: EngineContext, root: Unit, replicate_group: Proce
     local gradient is summed over the replicas at the end of a synced backward, like the adapters."""
     from shardtune.engine.vocab import VocabTable, install
 
-    segments = []
+    segments, tables = [], []
     for flat in (f for f in root.flats if f.local):
         assert ctx.shard_group is not None, "vocab_parallel needs a shard group of more than one rank"
         slot = flat.slots[0]
@@ -267,9 +267,13 @@ def _install_vocab_tables(ctx: EngineContext, root: Unit, replicate_group: Proce
         head = next((m for m in mods if isinstance(m, nn.Linear)), None)
         table = VocabTable(flat, num_rows=slot.shape[0], hidden=slot.shape[1], group=ctx.shard_group,
                            counter=ctx.counter, device=ctx.device,
-                           padding_idx=emb.padding_idx if emb is not None else None)
+                           padding_idx=emb.padding_idx if emb is not None else None, reducer=ctx.reducer,
+                           copy_stream=ctx.copy_stream)
         install(table, emb, head)
+        tables.append(table)
         segments += [(slot.name, seg) for _, _, _, seg in flat.segments]
     if segments and replicate_group is not None:
         ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter, device=ctx.device,
                                               label="vocab")
+        for table in tables:
+            table.replicas = ctx.vocab_replicas

@@ -61,6 +61,8 @@ def _end_backward(ctx: EngineContext) -> Callable[[], None]:
         sync = ctx.step.requires_grad_sync
         once = sync and ctx.step.requires_all_reduce  # the trainer: a step's last micro-step
         replicas = [r for r in (ctx.replicated, ctx.vocab_replicas) if r is not None] if once else []
+        if ctx.vocab_replicas in replicas:  # offload: the tables' D2H copies summed into the bucket first (host waits)
+            ctx.reducer.add_host_copies(lambda flat: flat.local)
         for r in replicas:
             r.start_reduce()  # adapters (and hybrid vocab tables): one bucketed all-reduce, after the reductions
         ctx.reducer.finish_backward()

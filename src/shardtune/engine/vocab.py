@@ -24,9 +24,14 @@ Token counts may differ per rank (eval, generation): each call agrees on the lar
 pads to it.
 Hybrid sharding: the tables are sharded within a shard group; a trainable table's gradient is summed over the
 replicas at the end of a synced backward (a ReplicatedParams over the replicate group: the same pending scheme).
+cpu_offload on an accelerator: the rows live on the host (pinned); their unit copies them to the device once per
+unshard, and each use's gradient goes back D2H on the copy stream into the table's pinned landing buffers, added on
+the host when the gradients are next read (engine/reduce.py `copy_to_host`): the host never waits in the backward,
+except for a tied table, whose embedding copy first adds the head's, issued a whole backward earlier.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -51,7 +56,7 @@ class VocabTable:
     """One vocabulary table's local rows (a FlatParam built with whole rows per rank) and its collectives."""
 
     def __init__(self, flat: Any, *, num_rows: int, hidden: int, group: ProcessGroup, counter: CommCounter,
-                 device: torch.device, padding_idx: int | None) -> None:
+                 device: torch.device, padding_idx: int | None, reducer: Any = None, copy_stream: Any = None) -> None:
         self.flat = flat
         self.num_rows = num_rows  # V, the real vocabulary
         self.hidden = hidden
@@ -65,6 +70,11 @@ class VocabTable:
         self.lo = self.rank * self.rows_per_rank
         self.num_local = max(0, min(num_rows - self.lo, self.rows_per_rank))  # real rows here (padding excluded)
         self.padding_idx = padding_idx  # nn.Embedding's: that row gets no gradient
+        # cpu_offload on an accelerator: the rows' gradient goes to the host through the units' reducer (its D2H
+        # copies, added on the host before the optimizer reads gradients), issued on the copy stream
+        self.reducer = reducer
+        self.copy_stream = copy_stream
+        self.replicas: Any = None  # hybrid_shard: the tables' ReplicatedParams, which sum the host gradient
 
     def weight(self) -> torch.Tensor:
         """The local real rows (num_local x H) in the compute dtype on the compute device. Trainable: a cast of the
@@ -79,8 +89,17 @@ class VocabTable:
         if flat.on_host:
             staged = (flat.staged if flat.staged is not None else shard_on_device(flat, flat.dtype))[:n]
             grad = src.requires_grad and torch.is_grad_enabled()
-            dev = _RowsToDevice.apply(src, staged) if grad else staged
+            dev = _RowsToDevice.apply(src, staged, self) if grad else staged
         return dev.view(self.num_local, self.hidden).to(flat.compute_dtype)
+
+    def grad_to_host(self, grad: torch.Tensor) -> None:
+        """cpu_offload: this use's gradient of the local rows (on the device, fp32, num_local·H) to the host
+        segment's gradient, without blocking: a D2H copy on the copy stream into a pinned buffer, added on the host
+        once the copy's event has passed (reduce.py `copy_to_host`), before clipping and the optimizer read it."""
+        (_, _, _, segment), = self.flat.segments
+        add = (functools.partial(self.replicas.add, segment) if self.replicas is not None
+               else functools.partial(_add_grad, segment))
+        self.reducer.copy_to_host(self.flat, grad, stream=self.copy_stream, add=add)
 
     # -- token exchange -----------------------------------------------------------------------------------------------
     def max_tokens(self, n: int, *, first: bool = False) -> int:
@@ -130,21 +149,29 @@ class VocabTable:
 
 
 class _RowsToDevice(torch.autograd.Function):
-    """cpu_offload, trainable table: the host rows' device copy (`staged`) as a function of the host segment; the
-    rows' gradient copied back to the host segment (a blocking copy: AccumulateGrad reads it at once). The simulated
-    GPU has no values to copy back: an empty host buffer stands for them, as the reducer's host copies do."""
+    """cpu_offload, trainable table: the host rows' device copy (`staged`) as a function of the host segment. Its
+    backward hands the rows' gradient to the table (`grad_to_host`: a non-blocking D2H, added into the segment's
+    gradient on the host later) and none to autograd, whose AccumulateGrad would read a host gradient at once:
+    a blocking copy into pageable memory."""
 
     @staticmethod
-    def forward(ctx: Any, src: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
-        ctx.host = (src.shape, src.dtype, src.device)
+    def forward(ctx: Any, src: torch.Tensor, staged: torch.Tensor, table: VocabTable) -> torch.Tensor:
+        ctx.table = table
         return staged.view_as(staged)  # a fresh tensor object per use: each gets its own grad_fn
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        shape, dtype, host = ctx.host
-        if accelerator.is_simulated(grad.device):
-            return accelerator.host_empty(grad.numel(), dtype, grad.device).view(shape), None
-        return grad.to(host, dtype), None
+        ctx.table.grad_to_host(grad)
+        return None, None, None
+
+
+def _add_grad(segment: torch.Tensor, host: torch.Tensor) -> None:
+    """A landed copy of a table's gradient into the segment's: the copy itself is the first (its buffer stays the
+    gradient until the optimizer drops it), later ones are added."""
+    if segment.grad is None:
+        segment.grad = host
+    else:
+        segment.grad.add_(host)
 
 
 class _Embed(torch.autograd.Function):

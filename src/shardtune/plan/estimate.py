@@ -35,12 +35,14 @@ import torch
 
 from shardtune.config.schema import Recipe
 from shardtune.engine.layout import UnitLayout
+from shardtune.plan.moe import unpermute_bytes
+from shardtune.plan.offload_host import table_grad_host_bytes
 from shardtune.plan.stats import DTYPES, ModelStats
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
 
 
-AHEAD = 2  # engine/offload_activations.py: offloaded unit inputs fetched ahead of their recompute
+AHEAD = 1  # engine/offload_activations.py: offloaded unit inputs fetched ahead of their recompute
 
 
 def pinned_bytes(n: int, s: Setup) -> int:
@@ -151,13 +153,13 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     # are two tensors. DPO rows are one causal call each.
     if s.packing and not mask and stats.recipe.train.objective == "sft":
         attn += bs * c * q_dim
-    if s.lora:
+    if 0 < s.mlp_chunk < bs:  # tiled_mlp.py: MLP, norms and adapter branches over sequence chunks
+        norms, mlp = chunked_norms_mlp_bytes(stats, s)
+    elif s.lora:
         norms, mlp = lora_norms_mlp_bytes(stats, s)
     else:
         norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
         mlp = 4 * bs * d.intermediate * c
-    if 0 < s.mlp_chunk < bs:  # tiled_mlp.py: one chunk's MLP set at a time (its recompute, then its backward)
-        mlp = mlp * s.mlp_chunk // bs
     extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
     if d.moe:
         extra += routing_bytes(stats, d, bs, c, lora_experts=s.lora)
@@ -178,20 +180,48 @@ def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
     needs no saved input: each RMSNorm keeps only its fp32 input (or upcast), the MLP gate, up and act(gate), not
     act·up. Each adapter saves its input in the adapters' dtype (fp32): in fp32 compute the base's own input tensor
     (shared by modules reading the same tensor; o_proj's is the attention output, saved anyway), in bf16 one fp32
-    cast per adapted module; plus its (b·s, r) lora_A output."""
+    cast per adapted module; plus its (b·s, r) lora_A output. FSDP2 (engine.backend=torch) casts the adapters to
+    the compute dtype with every other parameter: no cast, every saved adapter tensor in the compute dtype."""
     d, bs, c = stats.dims, s.micro_batch * s.seq_len, _size(s.compute)
+    a = c if s.backend == "torch" else 4  # the adapters' compute dtype
     q_dim, r = d.num_heads * d.head_dim, stats.recipe.lora.r
     inputs = {"q_proj": ("attn_in", d.hidden), "k_proj": ("attn_in", d.hidden), "v_proj": ("attn_in", d.hidden),
               "o_proj": ("attn_out", q_dim), "gate_proj": ("mlp_in", d.hidden), "up_proj": ("mlp_in", d.hidden),
               "down_proj": ("mlp_act", d.intermediate)}
-    targets = [t for t in stats.recipe.lora.target_modules if t in inputs]
-    if c == 4:  # no cast: one saved tensor per distinct input; the attention output is already counted
+    targets = [t for t in linear_targets(stats) if t in inputs]
+    if a == c:  # no cast: one saved tensor per distinct input; the attention output is already counted
         distinct = {inputs[t][0]: inputs[t][1] for t in targets}
-        adapter_in = sum(bs * width * 4 for key, width in distinct.items() if key != "attn_out")
+        adapter_in = sum(bs * width * c for key, width in distinct.items() if key != "attn_out")
     else:
         adapter_in = sum(bs * inputs[t][1] * 4 for t in targets)
     norms = 2 * bs * d.hidden * 4
-    mlp = 3 * bs * d.intermediate * c + adapter_in + len(targets) * bs * r * 4  # adapters counted with the MLP
+    mlp = 3 * bs * d.intermediate * c + adapter_in + len(targets) * bs * r * a  # adapters counted with the MLP
+    return norms, mlp
+
+
+def linear_targets(stats: ModelStats) -> list[str]:
+    """The Linear names peft adapts, as the engine resolves lora.target_modules (`auto`: q_proj and v_proj)."""
+    from shardtune.moe_checks import resolve_targets
+
+    return resolve_targets(stats.model, stats.recipe.lora.target_modules).linear
+
+
+def chunked_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
+    """Norms and MLP with engine.mlp_chunk_tokens = C (tiled_mlp.py, chunked_lora.py). Each norm chunk saves a view
+    of its input: the unit input (counted apart) and the residual after attention (b·s·h); the two norm outputs are
+    saved by their readers: the attention input by q/k/v (their weight grads; under LoRA only when an adapter reads
+    it, LoraDelta keeping it in the compute dtype), the MLP input by the MLP chunks. One chunk's MLP set at a time
+    (its recompute, then its backward): gate, up, act(gate), act·up (LoRA: act·up only as down's adapter input).
+    Every adapter keeps its (b·s, r) fp32 lora_A output; no fp32 copy of any input."""
+    d, bs, c = stats.dims, s.micro_batch * s.seq_len, _size(s.compute)
+    C = s.mlp_chunk
+    targets = set(linear_targets(stats)) if s.lora else set()
+    attn_in = not s.lora or bool(targets & {"q_proj", "k_proj", "v_proj"})
+    norms = bs * d.hidden * c * (2 + attn_in)
+    if not s.lora:
+        return norms, 4 * C * d.intermediate * c
+    named = targets & {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    mlp = (3 + ("down_proj" in targets)) * C * d.intermediate * c + len(named) * bs * stats.recipe.lora.r * 4
     return norms, mlp
 
 
@@ -204,32 +234,36 @@ def nf4_matmul_bytes(units: list[UnitLayout], c: int) -> int:
     return n * (8 + 3 * c) + n * c // 64
 
 
-def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int) -> tuple[int, int]:
+def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int,
+                   mlp_tokens: int) -> tuple[int, int]:
     """engine/nf4_linear.py: (the reused tile buffer, alive from the first matmul on; the transient of one tiled
     matmul). The buffer holds the largest tile of any weight (compute dtype); the transient is the tile's int32 code
     index (2 B/weight of the tile) and the weight's block scalers (c/64 B/weight, computed once per matmul); for a
-    weight of several tiles the backward's column slab (the same index, one slab's product, tokens x cols x c) or,
+    weight of several tiles the backward's column slab (the same index, one slab's product, tokens x cols x c, cols
+    capped so that it fits the tile too; an MLP weight sees `mlp_tokens`, one chunk of tiled_mlp.py) or,
     when rows split blocks, the fp32 input-gradient accumulator (tokens x in x 4) with one row tile's product
     (tokens x in x c)."""
     from shardtune.engine.nf4_linear import cols_per_tile, rows_per_tile
     from shardtune.plan.moe import nf4_experts_bytes
+    from shardtune.tiled_mlp import MLP_CHILD
 
     buf, transient = 0, 0
     for u in units:
-        for _, shape in u.quantized_weights:
+        for name, shape in u.quantized_weights:
             if len(shape) == 3:  # fused experts (plan/moe.py)
                 run_buf, run_transient = nf4_experts_bytes(tuple(shape), c, tile)
                 buf, transient = max(buf, run_buf), max(transient, run_transient)
                 continue
             out_f, in_f = shape
+            n = mlp_tokens if f".{MLP_CHILD}." in f".{name}" else tokens  # the MLP sees one chunk (tiled_mlp.py)
             rows = rows_per_tile(out_f, in_f, c, tile)
-            cols = cols_per_tile(out_f, in_f, c, tile) if rows < out_f else 0
+            cols = cols_per_tile(out_f, in_f, c, tile, n) if rows < out_f else 0
             buf = max(buf, rows * in_f * c, out_f * cols * c)
             scalers = out_f * in_f // 64 * c
             if cols:
-                bwd = out_f * cols * 2 + tokens * cols * c
+                bwd = out_f * cols * 2 + n * cols * c
             else:
-                bwd = rows * in_f * 2 + (tokens * in_f * (4 + c) if rows < out_f else 0)
+                bwd = rows * in_f * 2 + (n * in_f * (4 + c) if rows < out_f else 0)
             transient = max(transient, scalers + max(rows * in_f * 2, bwd))
     return buf, transient
 
@@ -267,17 +301,16 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
 
 def offloaded_host_bytes(units: list[UnitLayout], s: Setup) -> int:
     """cpu_offload's shards and sharded gradients on the host, as the engine allocates them: each shard a pinned
-    buffer (counted at its size: CUDA's caching host allocator rounds it up to a power of two, not modelled here);
+    buffer at its exact size (accelerator.host_resident: not the caching host allocator's power-of-two blocks);
     each unit's reduced gradient copied into a pinned buffer that becomes the fp32 gradient (reduce fp32), or is added into a pageable fp32 one (bf16: both alive
     when the gradients are added); with reductions on several micro-steps, one more copy per unit waits to be added
-    (engine/reduce.py `_add_earlier_copy`); the vocabulary tables' row gradients pageable fp32 (engine/vocab.py)."""
+    (engine/reduce.py `_add_earlier_copy`); the vocabulary tables' row gradients (plan/offload_host.py)."""
     r = _size(s.reduce)
     later_copy = s.grad_accum > 1 and s.sync_every_microstep
     total = 0
     for u in units:
         total += sum(f.shard_bytes() for f in u.flats)
-        # Hybrid (replicas): the tables' row gradients are also summed in a host bucket (engine/replicated.py).
-        total += sum(4 * f.shard_numel for f in u.vocab if f.requires_grad) * (2 if s.world > s.shard_size else 1)
+        total += sum(table_grad_host_bytes(f, s) for f in u.vocab)
         if u.trainable is not None:
             n = u.trainable.shard_numel
             total += 4 * n if r == 4 else 4 * n + r * n
@@ -309,23 +342,29 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     d = stats.dims
     c = _size(s.compute)
     W = s.shard_size
-    base_dtype = s.compute if s.lora else DTYPES[stats.recipe.model.dtype]
+    # The frozen base is stored in the compute dtype by our engine (parallelize.py: bf16 shards, no cast before the
+    # all-gather) and as NF4 bytes under QLoRA; FSDP2 keeps it in the model's dtype and casts it at each all-gather.
+    base_dtype = s.compute if s.lora and (s.backend == "shardtune" or s.nf4) else DTYPES[stats.recipe.model.dtype]
     vp = s.vocab_parallel and W > 1  # as shard.shard_model: only with a shard group of 2+ ranks
     units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora, vocab_parallel=vp)
     *blocks, root = units
-    aliased = W == 1
+    # A shard group of one rank whose shard is already in the compute dtype computes on its shard (flat_param.py
+    # `aliased`), unless the shard is offloaded: then the unit is copied in and gathered as at any W.
+    aliased = W == 1 and not (s.offload and not s.device_is_cpu)
     # vocab_parallel: the root's tables stay row-sharded (R rows each), never gathered; their shards count as params
     vocab_rows = root.vocab[0].shard_numel // d.hidden if root.vocab else 0
     vocab_train = sum(f.shard_numel for f in root.vocab if f.requires_grad)
 
     def gathered(u: UnitLayout) -> int:  # the unsharded buffer(s) of a unit: compute dtype, NF4 bytes as bytes
-        return sum(f.padded_numel if f.dtype == torch.uint8 else 0 if aliased and f.dtype == s.compute
-                   else f.padded_numel * c for f in u.gathered)
+        # aliased (one rank): the shard is the buffer, for NF4 bytes too unless offloaded (engine/quantized.py)
+        return sum((0 if aliased and not s.offload else f.padded_numel) if f.dtype == torch.uint8
+                   else 0 if aliased and f.dtype == s.compute else f.padded_numel * c for f in u.gathered)
 
     tokens = s.micro_batch * s.seq_len
     tile_buf = 0
     if s.nf4 and s.lora and s.nf4_tile_bytes:
-        tile_buf, dequant = nf4_tile_bytes(units, c, s.nf4_tile_bytes, tokens)
+        tile_buf, dequant = nf4_tile_bytes(units, c, s.nf4_tile_bytes, tokens,
+                                           min(tokens, s.mlp_chunk) if s.mlp_chunk else tokens)
     else:
         dequant = nf4_matmul_bytes(units, c)
 
@@ -393,11 +432,14 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         held_fwd = root_held + (unit_g[-1] if unit_g else 0)
     offload_copy = 0
     if s.offload and not s.device_is_cpu:
-        # H2D copies of a decoder unit's shards before its all-gather (current + prefetched). Not the root's: it is
-        # gathered once, before unit 0, and stays gathered until the end of backward (held_bwd), so its copy is
-        # never alive at a peak. Counting the root's (embeddings + head, the largest shard) over-predicted the
-        # 70B offload recipe by 7 % against `plan --simulate` (bench/RESULTS.md).
-        offload_copy = 2 * max((f.shard_bytes() for u in blocks for f in u.flats), default=0)
+        # The H2D copy of a decoder unit's shards before its all-gather: the prefetched unit's. A unit waits for its
+        # own gather (dropping its copy) before it prefetches the next (engine/unit.py), so one copy is alive at a
+        # time (the simulated Qwen3-30B-A3B offload step holds one: two over-predicted it by 0.58 GiB). Not the
+        # root's: it is gathered once, before unit 0, and stays gathered until the end of backward (held_bwd), so
+        # its copy is never alive at a peak. Counting the root's (embeddings + head, the largest shard)
+        # over-predicted the 70B offload recipe by 7 % against `plan --simulate` (bench/RESULTS.md).
+        # A shard group of one: the copy goes into the gathered buffer and is freed at once (unit.py unshard).
+        offload_copy = max((f.shard_bytes() for u in blocks for f in u.flats), default=0) if W > 1 else 0
         # Row-sharded tables: their rows copied to the device once the root is unsharded, kept until it is
         # resharded (engine/flat_param.py stage_rows): from the first forward to the end of backward.
         offload_copy += sum(f.shard_bytes() for f in root.vocab)
@@ -470,7 +512,9 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
                 + flight,
                 "gathered": held + offload_copy + nf4_extra,
-                "activations": sum(saved[:i]) + own + root_backward + bsh + 2 * bsi}
+                "activations": sum(saved[:i]) + own + root_backward + bsh + max(2 * bsi, unpermute)}
+    # A MoE layer's backward (and recompute) holds the un-permute's rows on top of its saved set (plan/moe.py)
+    unpermute = unpermute_bytes(d.moe, d.hidden, s.micro_batch * s.seq_len, c) if d.moe else 0
     # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
     # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
     # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).

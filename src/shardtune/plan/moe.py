@@ -34,12 +34,23 @@ def nf4_experts_bytes(shape: tuple[int, int, int], c: int, tile: int) -> tuple[i
 
 def routing_bytes(moe: MoeDims, hidden: int, tokens: int, c: int, *, lora: bool, adapter_numel: int = 0) -> int:
     """What a MoE layer saves beyond the routed MLP's intermediates (Dims.intermediate = top_k x the expert's width):
-    the token rows gathered per expert and the experts' outputs before and after the routing weights (3 x top_k
-    rows of hidden per token, compute dtype, one of them freed by the un-permute), the router's fp32 logits and
-    softmax (2 x experts x 4 B) and its int64 top-k indices and sort permutation (24 B per routed slot). Expert
-    adapters add one (rows, hidden) tensor per token slot, and in a bf16 run their bf16 casts (`adapter_numel`
-    weights of the layer), which the grouped matmuls save for backward. Measured with saved_tensors_hooks on
-    Qwen3-MoE (8 experts, top-2): 12404 B/token (fp32) vs 12400 here."""
+    the token rows gathered per expert and the experts' outputs before the routing weights (2 x top_k rows of hidden
+    per token, compute dtype), the router's fp32 logits and softmax (2 x experts x 4 B) and its int64 top-k indices
+    and sort permutation (24 B per routed slot). Expert adapters make the down projection's grouped matmul save its
+    input, act(gate)·up (top_k rows of the expert's width per token: a dense LoRA MLP does not keep it), and in a
+    bf16 run their bf16 casts (`adapter_numel` weights of the layer). Measured with saved_tensors_hooks on Qwen3-MoE
+    (8 experts, top-2, hidden = expert width 256): 12404 B/token (fp32) vs 12400 here; the simulated Qwen3-30B-A3B
+    (hidden 2048, expert width 768) tells the two widths apart."""
     k = moe.top_k
-    per_token = 2 * k * hidden * c + 2 * moe.num_experts * 4 + 24 * k + (k * hidden * c if lora else 0)
+    per_token = 2 * k * hidden * c + 2 * moe.num_experts * 4 + 24 * k + (k * moe.intermediate * c if lora else 0)
     return tokens * per_token + (adapter_numel * c if lora and c != 4 else 0)
+
+
+def unpermute_bytes(moe: MoeDims, hidden: int, tokens: int, c: int) -> int:
+    """The transient around a MoE layer's un-permute (experts.experts_forward), on top of its saved set, in its
+    backward: 3 x top_k rows of hidden per token. Its backward holds the gradient of the (tokens, top_k, hidden)
+    output copied out of its broadcast, that gradient un-permuted, and the two products of the routing weights'
+    backward. A checkpointed layer is recomputed once that first gradient exists (the un-permute's saved index is
+    needed), and the replay holds the rows times their routing weights and the zeros they are scattered into. A
+    dense MLP's backward (2 x b·s·i) is the larger transient only for narrow routing."""
+    return 3 * tokens * moe.top_k * hidden * c

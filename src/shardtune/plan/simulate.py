@@ -12,7 +12,7 @@ How, and what it leaves out:
   - AdamW's moments are created before the step (as a resume does): the plan's peak is a later step's, with them.
   - The step runs min(grad_accum, 2) micro-steps: the plan's peak depends on grad_accum only through "earlier
     micro-steps' gradients exist" (> 1), which the second micro-step already has.
-  - Offloaded host buffers (`accelerator.host_empty`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
+  - Offloaded host buffers (`accelerator.host_empty`, `host_resident`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
     cannot be allocated here. Ops on them stay host (counted apart, as host bytes); their non-blocking `.to()` (the
     engine's H2D copy, flat_param.shard_on_device) makes a new device tensor, as the copy on a GPU does.
   - SDPA takes the kernel CUDA would (`_cuda_sdpa`: flash without a mask; with the packing mask the memory-efficient
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune import accelerator
+from shardtune.plan.hardware import CUDA_CONTEXT
 from shardtune.simulated.process_group import standing_in_for_world
 
 _HOST = threading.local()  # depth of HostMeta ops running now: their new storages are host memory
@@ -65,17 +66,18 @@ class HostMeta(torch.Tensor):
 def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA as CUDA dispatches it. No mask: the flash kernel, which saves q, k, v, the output and the log-sum-exp.
+    """SDPA as CUDA dispatches it. No mask: the flash kernel, which saves q, k, v (grouped heads not repeated), the
+    output and the log-sum-exp.
     A mask (packed rows): flash takes none, so the memory-efficient kernel runs, on a bias in the query's dtype
     that SDPA makes from a boolean mask in every call and that backward keeps: b·s² per layer. On meta, torch would
     pick the math path, which saves the b·heads·s² attention weights of every layer (64 GiB at 8B, 4k tokens)."""
+    if attn_mask is None:  # CUDA's flash kernel reads grouped k/v heads as they are: nothing repeated, nor saved
+        out, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, scale=scale)
+        return out
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-    if attn_mask is None:
-        out, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, scale=scale)
-        return out
     if attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attn_mask, float("-inf"))
@@ -110,6 +112,8 @@ class Simulation:
     allocated_peak: int = 0
     reserved_peak: int = 0
     pinned_reserved_peak: int = 0
+    alloc_retries: int = 0  # times the caching allocator freed its cached segments to make room (device full)
+    ooms: int = 0  # requests that did not fit even then: out of memory on the GPU
     host_syncs: list[str] = field(default_factory=list)  # "kind caller" of each host synchronization of the step
 
     @property
@@ -123,7 +127,8 @@ class Simulation:
                 "wall_s": round(self.wall_s, 2), "micro_steps": self.micro_steps,
                 "allocator_allocated_peak_bytes": self.allocated_peak,
                 "allocator_reserved_peak_bytes": self.reserved_peak,
-                "pinned_reserved_peak_bytes": self.pinned_reserved_peak, "host_syncs": self.host_syncs}
+                "pinned_reserved_peak_bytes": self.pinned_reserved_peak, "allocator_alloc_retries": self.alloc_retries,
+                "allocator_ooms": self.ooms, "host_syncs": self.host_syncs}
 
 
 @contextlib.contextmanager
@@ -137,10 +142,15 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(max(1, world // nodes))}
     saved_env = {k: os.environ.get(k) for k in env}
     F = torch.nn.functional
-    saved = (accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks, F.scaled_dot_product_attention)
+    saved = (accelerator.make_host_buffer, par.init_into_shards, train.prepare_for_ranks, F.scaled_dot_product_attention,
+             torch.accelerator.current_stream)
     os.environ.update(env)
+    fsdp2_storage = _report_fsdp2_resizes()
+    # FSDP2 waits on a prefetched all-gather that backward never used (LoRA: a frozen unit) through
+    # torch.accelerator, which knows no simulated GPU: its current stream is the simulated one.
+    torch.accelerator.current_stream = lambda device=None: accelerator.current_stream(accelerator.SIMULATED)
     F.scaled_dot_product_attention = _cuda_sdpa
-    accelerator.host_empty = _host_empty
+    accelerator.make_host_buffer = _host_empty
     par.init_into_shards = lambda *a, **k: None
     # Rank 0 builds the data alone: the ranks' agreement on the cache runs over a gloo group with real peers.
     train.prepare_for_ranks = lambda cfg, tok, *, seed, output_dir, rank: build_data(cfg, tok, seed=seed,
@@ -155,13 +165,38 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
         alone.__exit__(None, None, None)
         dist.destroy_process_group()
         accelerator.forget_host_group()
-        (accelerator.host_empty, par.init_into_shards, train.prepare_for_ranks,
-         F.scaled_dot_product_attention) = saved
+        (accelerator.make_host_buffer, par.init_into_shards, train.prepare_for_ranks, F.scaled_dot_product_attention,
+         torch.accelerator.current_stream) = saved
+        fsdp2_storage()
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _report_fsdp2_resizes():
+    """FSDP2 (engine.backend=torch) frees and re-grows its unsharded parameters by resizing their storages in place,
+    which no op reports to the tracker (our engine calls memory.storage_resized): each unit gathered would count as
+    alive to the end of the step. Its two helpers report their resizes while simulating; returns the undo."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    from shardtune import memory
+
+    saved = (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage)
+
+    def reporting(resize):
+        def resized(tensor: torch.Tensor) -> None:
+            resize(tensor)
+            memory.storage_resized(tensor)
+        return resized
+
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = reporting(saved[0])
+    _fsdp_param.free_storage = reporting(saved[1])
+
+    def undo() -> None:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage = saved
+    return undo
 
 
 def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
@@ -176,6 +211,8 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     plan = make_plan(recipe_ref, overrides)
     world, nodes, analytic, analytic_host = (plan.setup.world, plan.setup.nodes, plan.estimate.total,
                                              plan.estimate.host_per_rank)
+    # What the caching allocator can take from the GPU: its memory less what the CUDA context holds.
+    limit = None if plan.hardware.is_cpu else plan.capacity - CUDA_CONTEXT
     micro = min(2, plan.recipe.train.grad_accum)
     del plan  # its model skeleton is meta too: the tracker would count it
     t0 = time.perf_counter()
@@ -184,22 +221,24 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
         run = setup(recipe, simulated=True)
         init_optimizer_state(run.optimizer)  # the steady state: AdamW's moments exist from the first step on
         # No per-op recheck of every big storage (4x the step's time at 8B): the engine reports each in-place resize
-        # (memory.storage_resized / free_storage). FSDP2 (engine.backend=torch) resizes without telling.
-        tracker = AllocatorTracker(host=_is_host, recheck_min_bytes=sys.maxsize).start()
+        # (memory.storage_resized / free_storage); FSDP2's through _report_fsdp2_resizes.
+        tracker = AllocatorTracker(host=_is_host, recheck_min_bytes=sys.maxsize, device_limit=limit).start()
         try:
             run.model.train()
             accelerator.TRACE.clear()
-            train_step(run, 0, tracker)
+            train_step(run, 0, None)  # the step as the recipe runs it (train.profile_memory is a run's own tracker)
             syncs = [f"{kind} {caller}" for kind, caller in accelerator.host_syncs()]
         finally:
             tracker.stop()
         device_peak, host_peak = tracker.peak_bytes(), tracker.host_peak_bytes()
-        books = (tracker.device.peak_allocated, tracker.device.peak_reserved, tracker.pinned.peak_reserved)
+        books = (tracker.device.peak_allocated, tracker.device.peak_reserved, tracker.pinned.peak_reserved,
+                 tracker.device.alloc_retries, tracker.device.ooms)
         del run
     return Simulation(world=world, device_peak=device_peak, host_peak=host_peak, analytic=analytic,
                       analytic_host=analytic_host,
                       wall_s=time.perf_counter() - t0, micro_steps=micro, allocated_peak=books[0],
-                      reserved_peak=books[1], pinned_reserved_peak=books[2], host_syncs=syncs)
+                      reserved_peak=books[1], pinned_reserved_peak=books[2], alloc_retries=books[3],
+                      ooms=books[4], host_syncs=syncs)
 
 
 def summary(sim: Simulation) -> str:
@@ -209,6 +248,9 @@ def summary(sim: Simulation) -> str:
     if sim.host_peak or sim.analytic_host:
         line += f"; host {sim.host_peak / gib:.2f} GiB vs plan {sim.analytic_host / gib:.2f} GiB"
     line += f"; CUDA's caching allocator would reserve {sim.reserved_peak / gib:.2f} GiB"
+    if sim.alloc_retries:
+        oom = f", {sim.ooms} out of memory" if sim.ooms else ""
+        line += f" (freeing its cache {sim.alloc_retries}x to make room{oom})"
     if sim.pinned_reserved_peak:
         line += f", its pinned host pool {sim.pinned_reserved_peak / gib:.2f} GiB"
     return line + f"; {len(sim.host_syncs)} host sync(s); {sim.wall_s:.1f} s"

@@ -12,14 +12,13 @@ from functools import cached_property
 import torch
 from torch import nn
 
+from shardtune.config.dtypes import DTYPES
 from shardtune.config.schema import ModelConfig, Recipe
 from shardtune.engine.api import MixedPrecision, ShardingPolicy
 from shardtune.engine.layout import UnitLayout, unit_layouts
 from shardtune.engine.wrap import resolve_unit_classes
 from shardtune.plan import skeleton
 from shardtune.plan.moe import MoeDims
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def test_offload_matches_checkpointing_and_moves_unit_inputs_to_host():
     one_input = 2 * SEQ * 128 * 4  # b·s·h fp32
     assert off.num_offloaded == units and off.num_fetched_ahead == units - 1
     assert host == 0 and host_o == units * one_input  # every unit input on the host at once, nothing else
-    # On the device: all inputs but the ones fetched back ahead (2) plus the one being recomputed are gone.
+    # On the device: all inputs but the one fetched back ahead plus the one being recomputed are gone.
     assert peak - peak_o >= (units - 3) * one_input, (peak, peak_o)
 
 

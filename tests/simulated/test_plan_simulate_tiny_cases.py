@@ -1,0 +1,43 @@
+"""`shardtune plan --simulate` on the tiny LoRA recipe planned for a GPU, in two settings the bundled rows miss:
+  - LoRA on FSDP2 (engine.backend=torch): the simulated step runs (FSDP2 waits on an unused prefetch through
+    torch.accelerator, which knows no simulated GPU) and is not above the plan by more than 5 %; the plan counts what
+    FSDP2 holds: the frozen base in the model's dtype (our engine stores it in bf16) and the adapters computed in
+    bf16 like every other parameter (ours keep them fp32: a cast of each adapter's input);
+  - cpu_offload with a shard group of one rank: the host shard is never the unit's gathered buffer
+    (engine/flat_param.py `aliased`), so the unit is copied to the device and computed there, as on a GPU. Told
+    apart by the offload flag: a simulated host shard is a meta tensor like the simulated device's, and comparing
+    devices made the step compute on the host buffers (device 1.5 MB, host 14.3 MB, against the plan's 13.5, 1.5)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.integration.runs import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _simulate(*overrides: str) -> dict:
+    out = cli("plan", "recipes/tiny-lora-cpu.yaml", "launch.device=cuda", "hardware.gpu=rtx4090-24gb", *overrides,
+              "--simulate", "--json", cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_fsdp2_lora_step_agrees_with_the_plan() -> None:
+    sim = _simulate("engine.backend=torch", "engine.cpu_offload=false")
+    assert sim["world_size"] == 2 and sim["simulated_peak_bytes"] > 1e6
+    # Never under the plan by more than 5 % (an OOM the plan said would fit). Over: 0.945 since the simulation
+    # counts FSDP2's frees of its gathered units (plan/simulate.py _report_fsdp2_resizes); the plan's FSDP2 LoRA
+    # recompute (gathered units, adapters' transients) is not yet checked op by op.
+    assert 0.90 <= sim["simulated_peak_bytes"] / sim["analytic_peak_bytes"] <= 1.05, sim
+
+
+def test_offloaded_units_compute_on_the_device_at_one_rank() -> None:
+    sim = _simulate("launch.nproc_per_node=1", "hardware.num_gpus=1")
+    assert sim["world_size"] == 1
+    # The host holds the offloaded states only, as the plan counts them ...
+    assert abs(sim["simulated_host_bytes"] - sim["analytic_host_bytes"]) <= 0.01 * sim["analytic_host_bytes"], sim
+    # ... and the device the gathered units and the activations (the plan's peak, give or take: this LoRA row reads
+    # 1.08, the adapters' recompute transient that the plan does not count yet).
+    assert 0.95 <= sim["simulated_peak_bytes"] / sim["analytic_peak_bytes"] <= 1.10, sim

@@ -1,0 +1,54 @@
+"""Every recipes/hardware recipe's training step has one host synchronization on the simulated GPU (its read of the
+loss and the norm), with the product's defaults and the recipe's own settings. The recipes run with 2 decoder
+layers (model.config pointed at a copy of theirs): the syncs of a step do not depend on its depth (asserted once at
+2 and 3 layers), and 2 layers keep each recipe a few seconds. Two steps: the first copies its own batch and runs
+DPO's start-of-training eval, the second finds its batch prefetched."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardtune import accelerator
+from shardtune.config.load import load_recipe
+from shardtune.plan.planner import world_of
+from shardtune.plan.simulate import _simulated_world
+
+RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes" / "hardware").glob("*.yaml"))
+STEP_READ = ("to_host", "shardtune.train:train_step")
+
+
+def _step_syncs(name: str, tmp: Path, *, layers: int) -> list[list[tuple[str, str]]]:
+    from shardtune.train import setup, train_step
+
+    base = load_recipe(name)
+    config = json.loads(Path(base.model.config).read_text())
+    config["num_hidden_layers"] = layers
+    config.pop("layer_types", None)  # per-layer lists follow num_hidden_layers (transformers rebuilds them)
+    (tmp / "config.json").write_text(json.dumps(config))
+    world, nodes = world_of(base)
+    with _simulated_world(world, nodes):
+        recipe = load_recipe(name, [f"model.config={tmp / 'config.json'}", "train.grad_accum=2",
+                                    f"train.output_dir={tmp / 'run'}"])
+        run = setup(recipe, simulated=True)
+        run.model.train()
+        steps = []
+        for step in range(2):
+            accelerator.TRACE.clear()
+            train_step(run, step, None)
+            steps.append(accelerator.host_syncs())
+        return steps
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_hardware_recipe_step_has_one_host_sync(name: str, tmp_path: Path) -> None:
+    assert _step_syncs(name, tmp_path, layers=2) == [[STEP_READ], [STEP_READ]]
+
+
+def test_host_syncs_do_not_depend_on_depth(tmp_path: Path) -> None:
+    """What makes 2 layers stand for the recipe's 80: per layer, no sync (the test above would count each)."""
+    name = "llama-3.1-70b-qlora-2x24gb-offload"  # offload, NF4, checkpointing: the most per-layer machinery
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _step_syncs(name, tmp_path / "a", layers=2) == _step_syncs(name, tmp_path / "b", layers=3)

@@ -1,0 +1,62 @@
+"""Greedy decoding (decode.py): transformers' greedy tokens on a real device; on the simulated GPU, whose host reads
+are zeros, at most max_new_tokens forwards (transformers' `generate` would loop for good there)."""
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+from shardtune import accelerator
+from shardtune.config.load import load_recipe
+from shardtune.config.schema import ModelConfig
+from shardtune.decode import greedy_decode
+from shardtune.model import build_model
+from shardtune.plan.simulate import _simulated_world
+
+
+def _tiny():
+    return build_model(ModelConfig(config="configs/models/tiny-llama.json"), seed=0).eval()
+
+
+def test_left_padded_batch_with_eos_matches_transformers_generate():
+    ours, ref = _tiny(), _tiny()
+    ref.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :4], ids[0, :4] = 0, 0
+    mask[2, :2], ids[2, :2] = 0, 0
+    free = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    eos = int(free[1, 9 + 2])  # row 1's third new token ends it there; the other rows go on
+    kw = {"max_new_tokens": 10, "pad_token_id": 0, "eos_token_id": eos}
+    want = ref.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kw)
+    got = greedy_decode(ours, ids, mask, **kw)
+    assert torch.equal(got, want), (got, want)
+    assert (got[1, 12:] == 0).all() and got.shape[1] > 12  # row 1 padded after its EOS, the others decoded on
+
+
+def test_all_rows_ending_stops_early():
+    model = _tiny()
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    first = greedy_decode(model, ids, max_new_tokens=1, pad_token_id=0)[0, -1]
+    out = greedy_decode(model, ids, max_new_tokens=20, pad_token_id=0, eos_token_id=int(first))
+    assert out.shape == (1, 7)
+
+
+def test_demo_eval_on_the_simulated_gpu_is_bounded_by_max_new_tokens():
+    """exact_match through the trainer's model on the simulated GPU: every early-stop read says "not ended" (0),
+    so decoding runs to its budget and stops there; one forward per token, one read per token and the output's."""
+    from shardtune.evaluate import exact_match
+    from shardtune.train import setup
+
+    samples = [{"prompt": "abc", "response": "cba"}, {"prompt": "hello", "response": "olleh"}]
+    with tempfile.TemporaryDirectory() as tmp, _simulated_world(1, 1):
+        run = setup(load_recipe("tiny-cpu", ["launch.device=cuda", f"train.output_dir={tmp}"]), simulated=True)
+        forwards = []
+        run.model.register_forward_hook(lambda *_: forwards.append(1))
+        accelerator.TRACE.clear()
+        assert exact_match(run.model, run.tok, samples, run.rt, max_new_tokens=7) == 0.0  # zeros decode to ""
+        reads = [s for s in accelerator.host_syncs() if s[1].startswith(("shardtune.decode", "shardtune.evaluate"))]
+        assert len(forwards) == 7
+        early_stop, output = ("to_host", "shardtune.decode:_all_ended"), ("to_host", "shardtune.evaluate:exact_match")
+        assert reads == [early_stop] * 6 + [output]
+        assert run.model.config._attn_implementation == "shardtune_sdpa"  # the training attention is back
