@@ -28,7 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-NAME = "shardtune_sdpa"  # the attn_implementation `model.attn_implementation=sdpa` builds
+from shardtune.attention_mask import NAME, cached_attention  # NAME: the attn_implementation `sdpa` builds
+
 
 DocLengths = tuple[tuple[int, ...], ...]  # per row, the lengths of its documents in order (sum = seq_len)
 
@@ -54,8 +55,6 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        doc_lengths: DocLengths | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> ([b, s, heads, d], None), as transformers expects."""
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # a 4-D mask of the caller's, or a KV cache
-        from shardtune.attention_mask import cached_attention
-
         return cached_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                 **kwargs), None
     b, _, s, _ = query.shape

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+NAME = "shardtune_sdpa"  # the per-document attention's name (attention.py registers it)
 GENERATION = "sdpa"  # transformers' SDPA: its mask code handles padding, caches and sliding windows
 
 
@@ -23,8 +24,6 @@ GENERATION = "sdpa"  # transformers' SDPA: its mask code handles padding, caches
 def generation_attention(model: Any) -> Iterator[None]:
     """`model` (a PreTrainedModel) on transformers' SDPA while the block runs, when it trains on the per-document
     attention; the same weights and math, masks built by transformers."""
-    from shardtune.attention import NAME
-
     name = model.config._attn_implementation
     if name != NAME:
         yield

@@ -199,6 +199,23 @@ def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
     return norms, mlp
 
 
+def adapter_sum_bytes(stats: ModelStats, s: Setup) -> int:
+    """peft's adapter branch, recomputed or run forward in the adapters' dtype: lora_B's output and its scaled copy
+    (then the sum), two b·s·out tensors alive at once beside the base's output, for the widest adapted Linear. In
+    bf16 compute with fp32 adapters (our engine) they are fp32: twice the two b·s·i gradients the MLP backward
+    holds, and the layer's peak (measured: the tiny-lora-cpu step on the simulated GPU peaks at up_proj's scaled
+    copy in the last checkpointed unit's recompute). engine.mlp_chunk_tokens' LoraDelta makes none of them."""
+    if not s.lora or 0 < s.mlp_chunk < s.micro_batch * s.seq_len:
+        return 0
+    d = stats.dims
+    widths = {"q_proj": d.num_heads * d.head_dim, "k_proj": d.num_kv_heads * d.head_dim,
+              "v_proj": d.num_kv_heads * d.head_dim, "o_proj": d.hidden, "gate_proj": d.intermediate,
+              "up_proj": d.intermediate, "down_proj": d.hidden}
+    out = max((widths[t] for t in linear_targets(stats) if t in widths), default=0)
+    a = _size(s.compute) if s.backend == "torch" else 4
+    return 2 * s.micro_batch * s.seq_len * out * a
+
+
 def linear_targets(stats: ModelStats) -> list[str]:
     """The Linear names peft adapts, as the engine resolves lora.target_modules (`auto`: q_proj and v_proj)."""
     from shardtune.moe_checks import resolve_targets
@@ -512,9 +529,10 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
                 + flight,
                 "gathered": held + offload_copy + nf4_extra,
-                "activations": sum(saved[:i]) + own + root_backward + bsh + max(2 * bsi, unpermute)}
+                "activations": sum(saved[:i]) + own + root_backward + bsh + max(2 * bsi, unpermute, adapter_sum)}
     # A MoE layer's backward (and recompute) holds the un-permute's rows on top of its saved set (plan/moe.py)
     unpermute = unpermute_bytes(d.moe, d.hidden, s.micro_batch * s.seq_len, c) if d.moe else 0
+    adapter_sum = adapter_sum_bytes(stats, s)
     # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
     # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
     # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).
