@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from shardtune.attention_mask import NAME, cached_attention  # NAME: the attn_implementation `sdpa` builds
 
-
 DocLengths = tuple[tuple[int, ...], ...]  # per row, the lengths of its documents in order (sum = seq_len)
 
 
