@@ -11,8 +11,8 @@ Three kinds of compute device:
          what was issued on which stream and what waited on what (`TRACE`). A meta tensor holds no values: a host read of one
          (`to_host`, `item`, and under simulation `.item()` / `bool()` too) gives zeros. Host buffers cannot be
          pinned on a CPU build: under simulation the ones `host_empty` makes report `is_pinned()` True, as on
-         CUDA (what ShardedTensor checks). Both stand-ins are installed by `register_simulated_backend`, never on
-         a real run.
+         CUDA (what ShardedTensor checks). The backend and these stand-ins are installed by
+         `shardtune.simulated.device.install()`, never on a real run.
 The engine, the runtime, the checkpoint code and the trainer ask this module, not `device.type` (left outside:
 the launcher's GPU detection, the CUDA allocator's memory tracker, the CUDA RNG state). The CUDA path below is
 exactly torch.cuda; the simulation code is the stand-ins at the end of each section.
@@ -22,7 +22,6 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
   is_simulated(device)
   backend(device)                    the default process group's backend: nccl | simgpu | gloo
   init_process_group(device, *, rank, world_size, timeout, store=None)   default group + the host group
-  register_simulated_backend()       the fake "simgpu" backend for meta (and the simulation's stand-ins)
   host_group()                       a gloo group over all ranks for host-side coordination (checkpoint agreement,
                                      DCP planning, barriers); the default group itself when that is gloo
   compute_device(device_type, local_rank)  the torch.device a worker computes on (sets the CUDA device)
@@ -99,8 +98,9 @@ _HOST_GROUP: list[Any] = []  # [group] once init_process_group ran
 def init_process_group(device: torch.device, *, rank: int, world_size: int, timeout: timedelta,
                        store: dist.Store | None = None) -> None:
     """The default group on the device's backend, then the gloo host group (collective over all ranks)."""
-    if is_simulated(device):
-        register_simulated_backend()
+    assert not is_simulated(device) or SIM_BACKEND.upper() in dist.Backend.backend_list \
+        or SIM_BACKEND in dist.Backend.backend_list, \
+        "the simulated GPU's backend is installed by shardtune.simulated.device.install()"
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend(device), rank=rank, world_size=world_size, timeout=timeout, store=store, **kwargs)
     _HOST_GROUP.clear()
@@ -121,40 +121,6 @@ def forget_host_group() -> None:
     _HOST_GROUP.clear()
 
 
-def register_simulated_backend() -> None:
-    """A process group for the meta device only (simulated/process_group.py): collectives on meta tensors complete
-    at once and move nothing; what NCCL refuses is refused; every rank's collectives are matched in order."""
-    if SIM_BACKEND.upper() in dist.Backend.backend_list or SIM_BACKEND in dist.Backend.backend_list:
-        return
-    from shardtune.simulated.process_group import create_group
-
-    dist.Backend.register_backend(SIM_BACKEND, create_group, extended_api=True, devices=["meta"])
-    from shardtune import sim_device_module
-
-    sim_device_module.register()  # torch.meta: the streams and events FSDP2 (engine.backend=torch) asks for
-    _simulate_pinned_memory()
-    _simulate_host_reads()
-    _count_host_copies()
-
-
-_LIBS: list[Any] = []  # keeps the simulated kernels registered
-
-
-def _simulate_host_reads() -> None:
-    """A host read of a meta tensor (`.item()`, `bool()`, what HF's packed-sequence check does) gives zero, as
-    `to_host` does, instead of raising. Simulation only: a kernel for the meta device, which real runs never use."""
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("_local_scalar_dense", _zero_scalar, "Meta")
-    _LIBS.append(lib)
-
-
-def _zero_scalar(t: torch.Tensor) -> bool | int | float:
-    host_sync("item")  # .item(), bool(), float(), a Python `if` on a tensor
-    if t.dtype == torch.bool:
-        return False
-    return 0.0 if t.dtype.is_floating_point else 0
-
-
 # -- host synchronizations (simulated) -------------------------------------------------------------------------------
 # Every point where a GPU run would block the CPU until the device caught up, recorded in TRACE as
 # ("host_sync", "host", kind): a host read (`item`: .item()/bool()/a Python branch on a tensor; `to_host`), a copy
@@ -171,34 +137,19 @@ def host_syncs() -> list[tuple[str, str]]:
     return [(e[2], e[3]) for e in TRACE.entries if e[0] == "host_sync"]
 
 
+_SEAM_MODULES = (__name__, "shardtune.simulated.device")  # a host sync's caller is outside these
+
+
 def _caller() -> str:
     """The innermost frame outside torch, this module and dispatch modes (memory trackers): who asked for it."""
     import sys
 
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename == __file__ or "/torch/" in frame.f_code.co_filename
+    while frame is not None and (frame.f_globals.get("__name__") in _SEAM_MODULES
+                                 or "/torch/" in frame.f_code.co_filename
                                  or frame.f_code.co_name == "__torch_dispatch__"):
         frame = frame.f_back
     return f"{frame.f_globals.get('__name__')}:{frame.f_code.co_name}" if frame is not None else "?"
-
-
-def _meta_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    """copy_ where either side is the simulated GPU: nothing moves (a host destination reads zeros); a copy CUDA
-    would run synchronously is counted."""
-    if src.device.type == "cpu" and not (non_blocking and src.is_pinned()):
-        host_sync("h2d_pageable")
-    if dst.device.type == "cpu":
-        if not (non_blocking and dst.is_pinned()):
-            host_sync("d2h_pageable")
-        with torch._C._DisableTorchDispatch():
-            dst.zero_()
-    return dst
-
-
-def _count_host_copies() -> None:
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("copy_", _meta_copy, "Meta")
-    _LIBS.append(lib)
 
 
 # -- the simulated GPU's record --------------------------------------------------------------------------------------
@@ -452,19 +403,14 @@ def has_pinned_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _sim_is_pinned(self: torch.Tensor, *args: Any) -> bool:
-    if self.device.type != "cpu":
+def simulated_pinned(t: torch.Tensor) -> bool:
+    """Simulated GPU: whether host tensor `t` lies in a buffer `host_empty` / `host_resident` made (what
+    `Tensor.is_pinned()` reports under simulation, simulated/device.py)."""
+    if t.device.type != "cpu":
         return False
-    st = self.untyped_storage()
+    st = t.untyped_storage()
     ref = _SIM_PINNED.get(st.data_ptr())
     return ref is not None and ref() is not None and st.nbytes() > 0
-
-
-def _simulate_pinned_memory() -> None:
-    """A CPU build has no pinned allocator: the simulated GPU's pinned buffers are plain host tensors, and
-    `Tensor.is_pinned()` reports the ones `host_empty` made as pinned, as it would on CUDA (what DCP's and
-    ShardedTensor's checks read). Simulation only: never installed on a real run."""
-    torch.Tensor.is_pinned = _sim_is_pinned  # type: ignore[method-assign]
 
 
 # -- optimizer -------------------------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ def init_runtime(launch: LaunchConfig, *, simulated: bool = False) -> Runtime:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if simulated:
+        from shardtune.simulated import device as simulated_device
+
+        simulated_device.install()
         device = accelerator.SIMULATED
     else:
         device = accelerator.compute_device(launch.device_type(), local_rank)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune import accelerator
+from shardtune.simulated import device as simulated_device
 from tests.distributed.harness import RankFailure, start_ranks
 
 
@@ -29,6 +30,7 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., None]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     store = dist.FileStore(store_path, world_size)
+    simulated_device.install()
     accelerator.init_process_group(accelerator.SIMULATED, rank=rank, world_size=world_size,
                                    timeout=datetime.timedelta(seconds=120), store=store)
     try:

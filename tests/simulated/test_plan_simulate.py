@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(("recipe", "overrides", "world", "min_peak", "tolerance"), [
     ("recipes/hardware/llama-3.1-8b-lora-1x24gb.yaml", [], 1, 8.0e9 * 2, 0.05),  # above the bf16 base alone
     ("recipes/tiny-lora-cpu.yaml", ["launch.device=cuda", "hardware.gpu=rtx4090-24gb"], 2, 1e6, 0.05),
-    # PyTorch FSDP2 on the simulated GPU (its streams and events: shardtune/sim_device_module.py)
+    # PyTorch FSDP2 on the simulated GPU (its streams and events: shardtune/simulated/device.py)
     ("recipes/tiny-cpu.yaml", ["launch.device=cuda", "hardware.gpu=rtx4090-24gb", "engine.backend=torch"], 2, 1e6,
      0.05),
     # DPO: the held-out eval at DPO's start reads its sums through accelerator.to_host (zeros when simulated)

@@ -123,22 +123,17 @@ def codebook(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _CODEBOOK[key]
 
 
-def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, tile_bytes: int = 0) -> NF4Tensor:
+def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, cls: type[NF4Tensor] = NF4Tensor) -> NF4Tensor:
     """An NF4Tensor whose parts are views of `buf` (uint8, the weight's region): no copy, so refilling `buf` (the
-    gathered unit, re-gathered for backward) refreshes every NF4Tensor autograd saved. `tile_bytes` > 0: a
-    `TiledNF4Tensor`, whose matmuls dequantize row tiles of that many bytes (nf4_linear.py)."""
+    gathered unit, re-gathered for backward) refreshes every NF4Tensor autograd saved. `cls`: NF4Tensor or a
+    subclass (nf4_linear.tiled_view's TiledNF4Tensor)."""
     n, dtype = layout.numel, layout.dtype
     sb = scaler_block(n)
     e = torch.empty((), dtype=dtype, device="meta").element_size()
     n_blocks = n // BLOCK
     rows, cols = matrix_shape(layout.shape, layout.transposed)  # 3-D experts: (experts·out, in) (nf4_experts.py)
     meta = SubclassTensorArgs(torch.Size((rows, cols)), (cols, 1), 0, dtype, buf.device, False)
-    cls = NF4Tensor
-    if tile_bytes:
-        from shardtune.engine.nf4_linear import TiledNF4Tensor
-
-        cls = TiledNF4Tensor
-    w = cls(
+    return cls(
         meta, BLOCK, n_blocks, sb,
         buf[layout.scalers:layout.scalers + n_blocks].view(torch.int8),  # quantized_scalers
         buf[layout.factors:layout.factors + n_blocks // sb * e].view(dtype),  # quantization_factor
@@ -146,9 +141,6 @@ def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, tile_bytes: int = 0) -> NF
         buf[layout.codes:layout.codes + n // 2],  # quantized_data
         codebook(dtype, buf.device),
     )
-    if tile_bytes:
-        w.tile_bytes = tile_bytes
-    return w
 
 
 def dequantize(buf: torch.Tensor, layout: Nf4Layout) -> torch.Tensor:

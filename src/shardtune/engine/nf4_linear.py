@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardtune.engine.nf4 import NF4Tensor, codebook
-from shardtune.engine.nf4_layout import BLOCK
+from shardtune.engine.nf4 import NF4Tensor, codebook, nf4_view
+from shardtune.engine.nf4_layout import BLOCK, Nf4Layout
 
 _BUFFERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the reused tile buffer, per dtype/device
 
@@ -47,6 +47,13 @@ class TiledNF4Tensor(NF4Tensor):
                 y = _TiledLinear.apply(x, w)
                 return y if bias is None else y + bias
         return super().__torch_function__(func, types, args, kwargs)
+
+
+def tiled_view(buf: torch.Tensor, layout: Nf4Layout, tile_bytes: int) -> TiledNF4Tensor:
+    """nf4.nf4_view's weight over `buf`, whose matmuls dequantize tiles of at most `tile_bytes`."""
+    w = nf4_view(buf, layout, cls=TiledNF4Tensor)
+    w.tile_bytes = tile_bytes
+    return w
 
 
 def tile_rows(w: NF4Tensor, tile_bytes: int) -> int:

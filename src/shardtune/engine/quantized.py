@@ -130,13 +130,15 @@ class QuantizedFlat:
 
     def bind_views(self, *, requires_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Point each Linear's weight at an NF4Tensor over the gathered bytes. The base never takes a gradient."""
-        from shardtune.engine import nf4
+        from shardtune.engine import nf4, nf4_linear
 
         assert not requires_grad, "a quantized base is frozen"
         src = self.full.data  # own version counter: re-gathering for backward does not trip autograd's checks
         views = []
         for s in self.slots:
-            w = nf4.nf4_view(src[s.offset:s.offset + s.numel], s.layout, tile_bytes=self.tile_bytes)
+            region = src[s.offset:s.offset + s.numel]
+            w = (nf4_linear.tiled_view(region, s.layout, self.tile_bytes) if self.tile_bytes
+                 else nf4.nf4_view(region, s.layout))
             if len(s.shape) == 3:  # fused experts: their grouped forward dequantizes runs of experts
                 from shardtune.engine.nf4_experts import Nf4Experts
 

@@ -6,7 +6,7 @@ does not fit), then bisecting to a multiple of `GRANULE` tokens. Each probe is o
 """
 from __future__ import annotations
 
-from shardtune.plan.planner import Plan, variant
+from shardtune.plan.result import Plan, variant
 
 GRANULE = 128  # tokens: the answer is a multiple of this
 LIMIT = 1 << 24  # 16M tokens: the search stops here

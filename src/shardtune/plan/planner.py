@@ -1,86 +1,15 @@
 """Recipe -> Plan: model stats on meta, the memory estimate, the capacity check, advice. `cli.plan` prints it."""
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
-
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe, check_world
-from shardtune.plan.estimate import Estimate, Setup, estimate
-from shardtune.plan.hardware import GiB, HardwareProfile, load_profile, usable_gpu_bytes
+from shardtune.plan.estimate import Setup, estimate
+from shardtune.plan.hardware import GiB, HardwareProfile, load_profile
+from shardtune.plan.result import Plan, quantized_summary, variant
+from shardtune.plan.search import advice
 from shardtune.plan.stats import ModelStats
 
-
-@dataclass
-class Plan:
-    recipe: Recipe
-    stats: ModelStats
-    setup: Setup
-    estimate: Estimate
-    hardware: HardwareProfile
-    advice: list[str] = field(default_factory=list)
-
-    @property
-    def capacity(self) -> int:
-        if self.hardware.is_cpu:
-            ram = self.recipe.hardware.host_ram_gb
-            total = int(ram * GiB) if ram else self.hardware.memory_bytes
-            return total // max(1, self.setup.world // self.setup.nodes)  # workers of a node share its RAM
-        return self.hardware.memory_bytes
-
-    @property
-    def usable(self) -> int:
-        """What the estimate must stay under: capacity less the CUDA context and allocator slack (GPUs)."""
-        if self.hardware.is_cpu:
-            return self.capacity
-        return usable_gpu_bytes(self.capacity)
-
-    @property
-    def host_ok(self) -> bool:
-        ram = self.recipe.hardware.host_ram_gb
-        return ram is None or self.hardware.is_cpu or self.estimate.host_bytes <= ram * GiB
-
-    @property
-    def fits(self) -> bool:
-        return self.estimate.total <= self.usable and self.host_ok
-
-    @property
-    def headroom(self) -> int:
-        return self.usable - self.estimate.total
-
-    def to_json(self) -> dict:
-        e = self.estimate
-        return {
-            "model": {"params": self.stats.num_params, "trainable_params": e.trainable_params,
-                      "lora_params": e.lora_params, "units": len(e.units)},
-            "world_size": self.setup.world,
-            "shard_group_size": self.setup.shard_size,
-            "per_rank": dict(e.per_rank),
-            "peak_phase": e.peak_phase,
-            "phases": dict(e.phases),
-            "host": {"total_bytes": e.host_bytes, "per_rank_bytes": e.host_per_rank,
-                     "ram_bytes": int(self.recipe.hardware.host_ram_gb * GiB) if self.recipe.hardware.host_ram_gb
-                     else None},
-            "hardware": self.hardware.key,
-            "capacity_bytes": self.capacity,
-            "usable_bytes": self.usable,
-            "headroom_bytes": self.headroom,
-            "fits": self.fits,
-            "advice": list(self.advice),
-            "quantized_base": quantized_summary(e) if self.setup.nf4 and self.setup.lora else None,
-        }
-
-
-def quantized_summary(e: Estimate) -> dict:
-    """What lora.quantize_base=nf4 quantizes (the units' frozen Linear weights) and what stays unquantized."""
-    names = sorted({n.rsplit(".", 1)[0].replace(".base_layer", "").rsplit(".", 1)[-1]
-                    for u in e.units for n, _ in u.quantized_weights})
-    weights = sum(math.prod(shape) for u in e.units for _, shape in u.quantized_weights)
-    return {"format": "nf4", "modules": names, "weights": weights,
-            "bytes": sum(u.quantized.numel for u in e.units if u.quantized),  # codes + scales, unpadded
-            "per_rank_bytes": sum(u.quantized.shard_bytes() for u in e.units if u.quantized),  # with padding
-            "unquantized": "embeddings, norms, lm_head (engine.mixed_precision)"}
+__all__ = ["GiB", "Plan", "make_plan", "plan_recipe", "quantized_summary", "variant", "world_of"]
 
 
 def world_of(recipe: Recipe) -> tuple[int, int]:
@@ -104,8 +33,6 @@ def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup
     check_world(recipe.engine, setup.world)
     plan = Plan(recipe, stats, setup, estimate(stats, setup), hw)
     if with_advice and not plan.fits:
-        from shardtune.plan.search import advice
-
         plan.advice = advice(plan)
     return plan
 
@@ -116,9 +43,3 @@ def make_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
     r = load_recipe(recipe, overrides or [])
     check_model_limits(r)  # a recipe train would refuse does not "fit"
     return plan_recipe(r)
-
-
-def variant(plan: Plan, **changes) -> Plan:
-    """The same recipe with some Setup fields changed (a --fit candidate or an advice item)."""
-    return Plan(plan.recipe, plan.stats, dataclasses.replace(plan.setup, **changes),
-                estimate(plan.stats, dataclasses.replace(plan.setup, **changes)), plan.hardware)

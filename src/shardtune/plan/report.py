@@ -7,7 +7,8 @@ from rich.console import Console
 from rich.table import Table
 
 from shardtune.plan.estimate import CATEGORIES
-from shardtune.plan.planner import GiB, Plan
+from shardtune.plan.hardware import GiB
+from shardtune.plan.result import Plan
 
 LABELS = {"params": "params (sharded)", "grads": "grads (sharded + in flight)", "optimizer": "optimizer (AdamW)",
           "gathered": "gathered units + comm/temp buffers", "activations": "activations (incl. fp32 logits + grad)",
@@ -38,7 +39,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.stats.recipe.train.objective == "dpo":
         console.print(dpo_line(plan.stats.recipe))
     if s.nf4 and s.lora:
-        from shardtune.plan.planner import quantized_summary
+        from shardtune.plan.result import quantized_summary
 
         q = quantized_summary(e)
         unquantized = f"{s.compute.itemsize * q['weights'] / GiB:.2f} GiB {compute}"  # the base without nf4

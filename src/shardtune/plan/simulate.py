@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from shardtune import accelerator
 from shardtune.plan.hardware import CUDA_CONTEXT
+from shardtune.simulated import device as simulated_device
 from shardtune.simulated.process_group import standing_in_for_world
 
 _HOST = threading.local()  # depth of HostMeta ops running now: their new storages are host memory
@@ -155,7 +156,7 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     # Rank 0 builds the data alone: the ranks' agreement on the cache runs over a gloo group with real peers.
     train.prepare_for_ranks = lambda cfg, tok, *, seed, output_dir, rank: build_data(cfg, tok, seed=seed,
                                                                                     output_dir=output_dir)
-    accelerator.register_simulated_backend()
+    simulated_device.install()
     alone = standing_in_for_world()  # the hybrid groups made during setup too: no peers to match against
     alone.__enter__()
     dist.init_process_group(accelerator.SIM_BACKEND, store=dist.HashStore(), rank=0, world_size=world)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-from shardtune.engine.nf4 import nf4_view, quantize
+from shardtune.engine.nf4 import quantize
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, scaler_block
 from shardtune.engine.nf4_linear import (
     TiledNF4Tensor,
@@ -16,6 +16,7 @@ from shardtune.engine.nf4_linear import (
     dequantize_rows,
     release_buffers,
     tile_rows,
+    tiled_view,
 )
 from shardtune.memory import CpuMemoryTracker
 
@@ -25,7 +26,7 @@ def _weights(shape, dtype, tile_bytes):
     w = torch.randn(shape, dtype=dtype) * 0.05
     layout = Nf4Layout.of(w.shape, dtype)
     buf = quantize(lambda a, m: w.reshape(-1)[a:a + m], layout, torch.device("cpu"))
-    tiled = nf4_view(buf, layout, tile_bytes=tile_bytes)
+    tiled = tiled_view(buf, layout, tile_bytes)
     assert isinstance(tiled, TiledNF4Tensor)
     return tiled, to_nf4(w, BLOCK, scaler_block(w.numel()))
 

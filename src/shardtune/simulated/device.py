@@ -1,0 +1,139 @@
+"""The simulated GPU, installed into torch: its process-group backend, its device module, and the stand-ins for
+what a CPU build lacks. Simulation only (`plan --simulate`, tests/simulated): `install()` is never called on a real
+run. The seam itself (streams, events, the TRACE, pinned-buffer bookkeeping) is accelerator.py.
+
+  - The "simgpu" backend for the meta device (simulated/process_group.py): collectives on meta tensors complete at
+    once and move nothing; what NCCL refuses is refused; every rank's collectives are matched in order.
+  - This module as `torch.meta`: PyTorch FSDP2 (`engine.backend=torch`) and DeviceMesh reach the device through
+    `torch.<device type>` (current device, streams, events), as they reach `torch.cuda`; torch's registration API
+    for an out-of-tree device (`torch._register_device_module`) makes this module that. Its streams and events are
+    the seam's own, so FSDP2's schedule is recorded in the same TRACE as our engine's.
+  - Host reads of a meta tensor (`.item()`, `bool()`) give zero and are counted as host syncs; host<->device copies
+    CUDA would run synchronously are counted; `Tensor.is_pinned()` reports the seam's pinned buffers as pinned.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtune import accelerator
+
+_STREAM_IDS = itertools.count()
+
+
+class Stream(accelerator.SimStream):
+    """A side stream FSDP2 creates (all-gather, reduce-scatter, all-reduce); `priority` has no meaning here."""
+
+    def __init__(self, priority: int = 0, **_: Any) -> None:
+        super().__init__(f"fsdp{next(_STREAM_IDS)}")
+
+    def record_event(self, event: accelerator.SimEvent | None = None) -> accelerator.SimEvent:
+        event = event or accelerator.SimEvent()
+        event.record(self)
+        return event
+
+
+def Event(**_: Any) -> accelerator.SimEvent:  # noqa: N802 - torch.cuda's name
+    return accelerator.SimEvent()
+
+
+def current_stream(device: Any = None) -> accelerator.SimStream:
+    return accelerator.current_stream(accelerator.SIMULATED)
+
+
+def stream(s: accelerator.SimStream | None) -> Any:
+    return accelerator.use_stream(s)
+
+
+def synchronize(device: Any = None) -> None:
+    accelerator.synchronize(accelerator.SIMULATED)
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def device_count() -> int:
+    return 1  # one simulated GPU per rank process
+
+
+def current_device() -> int:
+    return 0
+
+
+def set_device(device: Any) -> None:
+    """Every rank process has its one simulated GPU already."""
+
+
+def install() -> None:
+    """Register the backend, the device module and the stand-ins (once per process)."""
+    if accelerator.SIM_BACKEND.upper() in dist.Backend.backend_list or \
+            accelerator.SIM_BACKEND in dist.Backend.backend_list:
+        return
+    from shardtune.simulated.process_group import create_group
+
+    dist.Backend.register_backend(accelerator.SIM_BACKEND, create_group, extended_api=True, devices=["meta"])
+    if getattr(torch, "meta", None) is None:
+        torch._register_device_module("meta", sys.modules[__name__])
+        _allow_fsdp2_meta_parameters()
+    torch.Tensor.is_pinned = _is_pinned  # type: ignore[method-assign]
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_local_scalar_dense", _zero_scalar, "Meta")
+    lib.impl("copy_", _meta_copy, "Meta")
+    _LIBS.append(lib)
+
+
+_LIBS: list[Any] = []  # keeps the simulated kernels registered
+
+
+def _is_pinned(self: torch.Tensor, *args: Any) -> bool:
+    """A CPU build has no pinned allocator: the simulated GPU's pinned buffers are plain host tensors, reported
+    pinned as they would be on CUDA (what DCP's and ShardedTensor's checks read)."""
+    return accelerator.simulated_pinned(self)
+
+
+def _zero_scalar(t: torch.Tensor) -> bool | int | float:
+    """A host read of a meta tensor (`.item()`, `bool()`, a Python branch on a tensor) gives zero, as `to_host`
+    does, instead of raising; it is a host sync."""
+    accelerator.host_sync("item")
+    if t.dtype == torch.bool:
+        return False
+    return 0.0 if t.dtype.is_floating_point else 0
+
+
+def _meta_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """copy_ where either side is the simulated GPU: nothing moves (a host destination reads zeros); a copy CUDA
+    would run synchronously is counted."""
+    if src.device.type == "cpu" and not (non_blocking and src.is_pinned()):
+        accelerator.host_sync("h2d_pageable")
+    if dst.device.type == "cpu":
+        if not (non_blocking and dst.is_pinned()):
+            accelerator.host_sync("d2h_pageable")
+        with torch._C._DisableTorchDispatch():
+            dst.zero_()
+    return dst
+
+
+def _allow_fsdp2_meta_parameters() -> None:
+    """FSDP2's lazy init refuses parameters still on meta (a deferred init the user forgot to materialise). On the
+    simulated GPU meta IS the device: the check is skipped for param groups on it, and only there. The one override
+    of a private torch method in the simulation (beside the pinned-memory and host-read stand-ins below),
+    installed with the simulated backend, never on a real run; without it `engine.backend=torch`
+    cannot run a simulated step."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    validate = FSDPParamGroup._validate_no_meta_params
+
+    def validate_off_the_simulated_gpu(group: FSDPParamGroup) -> None:
+        if group.device.type != "meta":
+            validate(group)
+
+    FSDPParamGroup._validate_no_meta_params = validate_off_the_simulated_gpu  # type: ignore[method-assign]

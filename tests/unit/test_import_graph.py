@@ -1,0 +1,93 @@
+"""No import circle in the package: every `import` of a shardtune module, at module level or inside a function
+(a lazy import is still a dependency), read from the source with `ast`; imports under `if TYPE_CHECKING:` are
+annotations only and left out. A circle is a strongly connected component of more than one module."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "shardtune"
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The shardtune modules `name` imports (`from pkg import mod` counts as mod when mod is a module)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names if a.name in modules)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package[:len(package) - child.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                for a in child.names:
+                    if f"{base}.{a.name}" in modules:
+                        found.add(f"{base}.{a.name}")
+                    elif base in modules:
+                        found.add(base)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    found.discard(name)
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_circles_are_found() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_has_no_import_circle() -> None:
+    modules = module_names()
+    assert "shardtune.engine.unit" in modules and "shardtune.plan.planner" in modules
+    graph = {name: imported(name, path, modules) for name, path in modules.items()}
+    assert "shardtune.plan.search" in graph["shardtune.plan.planner"]  # lazy and top-level imports both read
+    assert circles(graph) == []
