@@ -82,27 +82,27 @@ class SftObjective:
 
 @contextmanager
 def adapters_disabled(model: nn.Module):
-    """The LoRA model without its adapters = the frozen base = DPO's reference (peft's per-layer switch).
+    """The LoRA model without its adapters = the frozen base = DPO's reference.
 
-    peft's switch also sets `requires_grad` on the parameters each layer holds at that moment. Under FSDP2
-    (engine.backend=torch) that is the sharded parameter before the forward and, when the forward leaves the unit
-    gathered (shard_grad_op), the unsharded one after it: the sharded adapters, which FSDP2 and the optimizer
-    treat as the truth, would stay frozen (a resume then loads no AdamW state for them). The flags of the
-    parameters held on entry are put back."""
+    Each peft layer's own switch flag (what its forward reads), not peft's `enable_adapters`: that also sets
+    `requires_grad` on the adapter parameters a layer holds at that moment, and under FSDP2 (engine.backend=torch)
+    both parts of it go wrong. FSDP2 reads which parameters train at its lazy init, in the first forward: when that
+    is the reference forward, no parameter trains, its reduce dtype is left unset, and the adapters' bf16 gradients
+    are then assigned to their fp32 shards unreduced in fp32 (an error at one rank). And on a unit the forward leaves
+    gathered (shard_grad_op), putting the flags back reaches the unsharded parameters, not the sharded ones FSDP2
+    and the optimizer treat as the truth. `requires_grad` is never touched here; the reference forward runs under
+    no_grad."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     assert layers, "adapters_disabled needs a LoRA model"
-    flags = [(p, p.requires_grad) for m in layers for p in m.parameters() if p.is_leaf]
     for m in layers:
-        m.enable_adapters(False)
+        m._disable_adapters = True  # peft's `disable_adapters` property reads it
     try:
         yield
     finally:
         for m in layers:
-            m.enable_adapters(True)
-        for p, flag in flags:
-            p.requires_grad_(flag)
+            m._disable_adapters = False
 
 
 class DpoObjective(SftObjective):

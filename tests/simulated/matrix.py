@@ -86,6 +86,10 @@ _DEFAULTS = {"precision": "fp32", "reduce_dtype": "fp32", "checkpointing": False
              "shard_adapter_states": True, "backend": "shardtune", "objective": "sft", "grad_accum": 1}
 EXTRA: list[Row] = [
     {"world": 4, "strategy": "hybrid_shard", **_DEFAULTS, "offload": True, "tuning": "full"},  # hybrid 2x2 + offload
+    # FSDP2 + LoRA + DPO at one rank (llama-3.1-8b-dpo-lora-1x24gb engine.backend=torch): the first forward is the
+    # reference one, with the adapters off; FSDP2 must still see them as trained (objective.adapters_disabled)
+    {"world": 1, "strategy": "no_shard", **_DEFAULTS, "precision": "bf16", "backend": "torch", "objective": "dpo",
+     "offload": False, "tuning": "lora"},
 ]
 
 
