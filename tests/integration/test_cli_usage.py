@@ -148,7 +148,10 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     cache = tmp_path / "cache"
     proc = subprocess.Popen([str(EXE), "prepare", "tiny-cpu", f"data.path={data}", f"data.cache_dir={cache}",
                              f"train.output_dir={tmp_path / 'run'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            # a terminal's foreground job: SIGINT at its default even when this suite runs in the
+                            # background (`make test &` ignores SIGINT, and a child inherits that)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while proc.poll() is None and not any(cache.glob(".tmp-*")) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from shardtune.config.schema import DataConfig
 from shardtune.data import cache, synthetic
 from shardtune.data.batches import RowSource
-from shardtune.data.build import build_entry, warn_truncated
+from shardtune.data.build import build_entry, interrupt_between_pieces, warn_truncated
 from shardtune.data.mix import ConcatRows, MixedRows
 from shardtune.data.rows import PackedRows, open_documents
 from shardtune.data.sample import (
@@ -71,8 +71,13 @@ def ensure_entry(cfg: DataConfig, tok: PreTrainedTokenizerBase, *, seed: int, ou
         return entry, False
     tmp = cache.new_temp_dir(root, key)
     try:
-        manifest = build_entry(load_raw(cfg, seed, scratch=tmp / "raw"), cfg, tok, tmp, seed=seed,
-                               progress=progress)
+        # Ctrl-C is recorded, not raised, for the whole build: a KeyboardInterrupt raised inside datasets' JSON
+        # loading or map was swallowed there (the build ran on and exited 0); it is raised at the next check.
+        with interrupt_between_pieces() as interrupted:
+            raw = load_raw(cfg, seed, scratch=tmp / "raw")
+            interrupted.check()
+            manifest = build_entry(raw, cfg, tok, tmp, seed=seed, progress=progress)
+            interrupted.check()
         manifest["key"] = key
         cache.commit(tmp, entry, manifest)
     finally:
