@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -29,7 +30,9 @@ def write_checkpoint(folder: Path) -> PreTrainedTokenizerFast:
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    with torch.random.fork_rng():  # the same weights every run (tests compare its greedy replies)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return tok
 
