@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
+# Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once):
+# 1,012 s against 1,423 s in one process on the 2-core CI machine (both runs measured on a fresh clone).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
