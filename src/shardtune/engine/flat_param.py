@@ -38,7 +38,32 @@ class ParamSlot:
     locations: list[tuple[nn.Module, str]] = field(default_factory=list)  # every (module, attr) holding it (tied)
 
 
-class FlatParam:
+class GatheredBuffer:
+    """The unsharded buffer `full` (padded_numel elements) of a unit flat, freed and re-grown in place around each
+    use; shared by FlatParam and the NF4 QuantizedFlat. `aliased`: `full` is the shard itself (one rank)."""
+    full: torch.Tensor
+    padded_numel: int
+    aliased: bool
+
+    def is_full_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def alloc_full(self) -> None:
+        """Re-grow `full`'s storage. Views created earlier (saved by autograd) alias it and see the new data."""
+        if not self.aliased and not self.is_full_allocated():
+            storage = self.full.untyped_storage()
+            storage.resize_(self.padded_numel * self.full.element_size())
+            if self.full.numel() != self.padded_numel:  # first allocation: same tensor object, now of numel P
+                self.full.set_(storage, 0, (self.padded_numel,), (1,))
+            memory.storage_resized(self.full)
+
+    def free_full(self) -> None:
+        """Free the gathered storage but keep the tensor object: autograd's saved views of it stay valid handles."""
+        if not self.aliased and self.is_full_allocated():
+            memory.free_storage(self.full)
+
+
+class FlatParam(GatheredBuffer):
     def __init__(self, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], *,
                  requires_grad: bool, num_decay: int, shard_rank: int, shard_size: int,
                  compute_dtype: torch.dtype, device: torch.device, offload: bool = False,
@@ -114,23 +139,6 @@ class FlatParam:
         return slot_pieces(self.slots, self.shard_rank if shard_rank is None else shard_rank, self.shard_numel)
 
     # -- unsharded buffer ------------------------------------------------------------------------------------------
-    def is_full_allocated(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
-
-    def alloc_full(self) -> None:
-        """Re-grow `full`'s storage. Views created earlier (saved by autograd) alias it and see the new data."""
-        if not self.aliased and not self.is_full_allocated():
-            storage = self.full.untyped_storage()
-            storage.resize_(self.padded_numel * self.full.element_size())
-            if self.full.numel() != self.padded_numel:  # first allocation: same tensor object, now of numel P
-                self.full.set_(storage, 0, (self.padded_numel,), (1,))
-            memory.storage_resized(self.full)
-
-    def free_full(self) -> None:
-        """Free the gathered storage but keep the tensor object: autograd's saved views of it stay valid handles."""
-        if not self.aliased and self.is_full_allocated():
-            memory.free_storage(self.full)
-
     def gather_input(self) -> torch.Tensor:
         """What this rank sends in the all-gather: its shard on the compute device (offload: the H2D copy, a no-op
         on CPU), cast to the compute dtype (halves bytes for bf16). Issued on the current stream: the unit puts

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from shardtune import accelerator, memory
-from shardtune.engine.flat_param import shard_on_device, slot_pieces
+from shardtune import accelerator
+from shardtune.engine.flat_param import GatheredBuffer, shard_on_device, slot_pieces
 from shardtune.engine.layout import Entry, padded
 from shardtune.engine.nf4_layout import BLOCK_BYTES, Nf4Layout
 
@@ -40,7 +40,7 @@ class Nf4Slot:
         self.locations = locations  # every (module, attr) holding it
 
 
-class QuantizedFlat:
+class QuantizedFlat(GatheredBuffer):
     requires_grad = False
     segments: list = []  # no trainable segment: nothing for the optimizer
     local = False  # gathered like any unit flat (only vocabulary tables stay local: engine/vocab.py)
@@ -106,22 +106,7 @@ class QuantizedFlat:
 
             nf4.quantize_into(write, reader(slot.name), slot.layout, self.shard.device)
 
-    # -- unsharded buffer (as FlatParam) ---------------------------------------------------------------------------
-    def is_full_allocated(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
-
-    def alloc_full(self) -> None:
-        if not self.aliased and not self.is_full_allocated():
-            storage = self.full.untyped_storage()
-            storage.resize_(self.padded_numel)
-            if self.full.numel() != self.padded_numel:
-                self.full.set_(storage, 0, (self.padded_numel,), (1,))
-            memory.storage_resized(self.full)
-
-    def free_full(self) -> None:
-        if not self.aliased and self.is_full_allocated():
-            memory.free_storage(self.full)
-
+    # -- unsharded buffer (alloc_full, free_full: GatheredBuffer) -------------------------------------------------
     def gather_input(self) -> torch.Tensor:
         return shard_on_device(self, torch.uint8)  # offload: H2D of the bytes; else no copy
 
