@@ -1,11 +1,15 @@
-"""Raw rows -> one cache entry: tokenized documents (Arrow) + the packing layout (numpy), written into a temp dir.
+"""Raw rows -> one cache entry, written into a temp dir: `build_entry`, the one writer, and the builder per format.
 
-Steps: load the rows with `datasets` (Arrow on disk, never a Python list), fix the held-out split from the seed,
-tokenize every row once with `map(batched=True, num_proc=N)` (fast tokenizer, one call per 1,000 rows; builtin
-tasks, a few thousand rows in memory, the same batches in-process with pyarrow alone), then lay
-the documents of each split out into rows of `seq_len` (`layout_rows`). Tokens are stored as uint16 when the
-vocabulary fits, else int32 (a quarter / half of int64); the loss mask as Arrow booleans (1 bit per token).
-Labels, position ids and padding are rebuilt per batch (rows.py), so nothing of size rows x seq_len exists.
+The writer does what every format shares: fix the held-out split from the seed, save each split's layout arrays,
+keep some raw held-out rows and return the manifest. The format's builder (BUILDERS) supplies only what differs:
+how rows become documents, how a split's documents become rows, what it counts and which errors it raises.
+
+SFT (every format but preference): load the rows with `datasets` (Arrow on disk, never a Python list), tokenize
+every row once with `map(batched=True, num_proc=N)` (fast tokenizer, one call per 1,000 rows; builtin tasks, a few
+thousand rows in memory, the same batches in-process with pyarrow alone), then lay the documents of each split out
+into rows of `seq_len` (`layout_rows`). Tokens are stored as uint16 when the vocabulary fits, else int32 (a quarter
+/ half of int64); the loss mask as Arrow booleans (1 bit per token). Labels, position ids and padding are rebuilt
+per batch (rows.py), so nothing of size rows x seq_len exists.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -30,86 +34,133 @@ from shardtune.config.schema import DataConfig
 from shardtune.data.docs import (
     BATCH_ROWS,
     EVAL_RAW_KEEP,
+    Documents,
+    Layout,
     docs_table,
-    int_column,
+    documents,
     manifest,
     token_dtype,
     write_docs,
 )
 from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import encode_batch
-from shardtune.data.preference import build_pair_entry
+from shardtune.data.preference import PairBuilder
 from shardtune.errors import UserError
 
 PIECE_ROWS = 100_000  # rows per map() call: the progress bar moves once per piece
 PARALLEL_MIN_ROWS = 20_000  # below this a process pool costs more than it saves
 MAX_DOC_TOKENS = 2**31 - 1  # data.long_docs=split stores documents whole (Arrow's int32 list offsets)
 
+Progress = Callable[[int, int], None]
 
-# Formats with a layout of their own; every other format is stored as packed documents by build_entry.
-LAYOUTS: dict[str, Callable[..., dict[str, Any]]] = {"preference": build_pair_entry}
+
+class FormatBuilder(Protocol):
+    """What a data format supplies to `build_entry`; built per entry from the resolved DataConfig."""
+
+    def encode(self, raw: Any, dtype: str, tmp: Path, progress: Progress | None) -> Documents: ...
+
+    def lay_out(self, docs: Documents, units: np.ndarray) -> Layout: ...  # one split, from its units in order
+
+    def check(self, stats: dict[str, Any]) -> None: ...  # the UserError for an entry with nothing to train on
+
+    def source_row(self, unit: int) -> int: ...  # the raw row a unit came from (held-out rows kept for the demo)
+
+    def manifest_fields(self) -> dict[str, Any]: ...  # `packing` and the format's own manifest keys
 
 
 def build_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Path, *, seed: int,
-                progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                progress: Progress | None = None) -> dict[str, Any]:
     """Tokenize `raw` (a `datasets.Dataset`, or for builtin tasks a list of row dicts) into `tmp`; returns the
     manifest (stats and file names)."""
     n = len(raw)
     if n == 0:
         raise UserError(f"data.path: '{cfg.path}' holds no rows: point it at a non-empty dataset")
-    layout = LAYOUTS.get(cfg.format)
-    if layout is not None:  # a format whose rows are not packed documents (preference pairs)
-        return layout(raw, cfg, tok, tmp, seed=seed, progress=progress)
-    in_memory = isinstance(raw, list)
-    cfg = resolve_fields(cfg, list(raw[0]) if in_memory else raw.column_names)
-    order = list(range(n))
-    random.Random(seed).shuffle(order)  # the held-out split is fixed by the seed, not by file order
-    num_eval = int(n * cfg.eval_fraction)
-    eval_ids, train_ids = np.array(order[:num_eval], dtype=np.int64), np.array(order[num_eval:], dtype=np.int64)
-
+    cfg = resolve_fields(cfg, list(raw[0]) if isinstance(raw, list) else raw.column_names)
+    builder = builder_for(cfg, tok)
     dtype = token_dtype(tok)
-    encode = _encode_rows if in_memory else _encode_dataset
-    files, docs = encode(raw, cfg, tok, dtype, tmp, progress)
-    length = int_column(docs, "length")  # before truncation
-    targets = int_column(docs, "num_targets")
-    kept = np.minimum(length, cfg.seq_len)
-    split_docs = cfg.long_docs == "split"
-
+    docs = builder.encode(raw, dtype, tmp, progress)
+    order = list(range(docs.num_units))
+    random.Random(seed).shuffle(order)  # the held-out split is fixed by the seed, not by file order
+    num_eval = int(docs.num_units * cfg.eval_fraction)
+    eval_units = np.array(order[:num_eval], dtype=np.int64)
     stats: dict[str, Any] = {}
-    for split, ids in (("train", train_ids), ("eval", eval_ids)):
-        ids = ids[kept[ids] > 0]  # rows with nothing to learn (a chat without an assistant turn) are dropped
-        docs_of, starts, sizes = split_pieces(ids, length, cfg.seq_len) if split_docs else (ids, None, kept[ids])
-        offsets = layout_rows(sizes, cfg.seq_len, cfg.packing)
-        np.save(tmp / f"{split}_docs.npy", docs_of.astype(np.int64 if n >= 2**31 else np.int32))
-        np.save(tmp / f"{split}_rows.npy", offsets)
-        if starts is not None:
-            np.save(tmp / f"{split}_starts.npy", starts)
-        longer = int((length[ids] > cfg.seq_len).sum())
-        stats[split] = {"rows": len(offsets) - 1, "documents": len(ids), "tokens": int(sizes.sum()),
-                        "target_tokens": int(targets[ids].sum()), "truncated": 0 if split_docs else longer}
-        if split_docs:
-            stats[split].update(split=longer, pieces=len(docs_of))
-    train = stats["train"]
-    if train["rows"] == 0:
-        why = " (no row has an assistant turn)" if cfg.format == "chat" else ""
-        raise UserError(f"data.path: no trainable rows after tokenizing '{cfg.path}' (format={cfg.format}){why}: "
-                        "check data.format and the field keys (`shardtune validate` shows the rows it reads)")
-    if train["target_tokens"] == 0:
-        warn_truncated(stats, cfg.seq_len)
-        raise UserError(f"data: no target tokens left in '{cfg.path}' (every response was cut off at "
-                        f"data.seq_len={cfg.seq_len}?): raise data.seq_len or shorten the prompts")
-    keep = eval_ids[:EVAL_RAW_KEEP].tolist()
-    with open(tmp / "eval_raw.jsonl", "w") as f:
-        for row in ([raw[i] for i in keep] if in_memory else raw.select(keep).to_list()):
-            f.write(json.dumps(row, default=str) + "\n")
+    for split, units in (("train", np.array(order[num_eval:], dtype=np.int64)), ("eval", eval_units)):
+        layout = builder.lay_out(docs, units)
+        np.save(tmp / f"{split}_docs.npy", layout.docs)
+        np.save(tmp / f"{split}_rows.npy", layout.rows)
+        if layout.starts is not None:
+            np.save(tmp / f"{split}_starts.npy", layout.starts)
+        stats[split] = layout.stats
+    builder.check(stats)
+    _write_eval_raw(raw, [builder.source_row(u) for u in eval_units[:EVAL_RAW_KEEP].tolist()], tmp)
+    files, lengths = docs.files, docs.length
     del docs  # release the Arrow maps before the temp dir is renamed
     shutil.rmtree(tmp / "raw", ignore_errors=True)  # datasets' own Arrow copy of the input files
     return manifest(cfg, tok, files=files, dtype=dtype, source_rows=n, num_eval_raw=num_eval, stats=stats,
-                    lengths=length, packing=cfg.packing, long_docs=cfg.long_docs)
+                    lengths=lengths, **builder.manifest_fields())
+
+
+def _write_eval_raw(raw: Any, keep: list[int], tmp: Path) -> None:
+    """Held-out source rows as read: the demo decodes their prompts for its exact-match check."""
+    with open(tmp / "eval_raw.jsonl", "w") as f:
+        for row in ([raw[i] for i in keep] if isinstance(raw, list) else raw.select(keep).to_list()):
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+class SftBuilder:
+    """text, instruction, chat: a source row is one document (none for a chat without an assistant turn); a row of
+    seq_len holds documents (data.packing) or pieces of a long one (data.long_docs=split)."""
+
+    def __init__(self, cfg: DataConfig, tok: PreTrainedTokenizerBase) -> None:
+        self.cfg, self.tok = cfg, tok
+
+    def encode(self, raw: Any, dtype: str, tmp: Path, progress: Progress | None) -> Documents:
+        encode = _encode_rows if isinstance(raw, list) else _encode_dataset
+        files, table = encode(raw, self.cfg, self.tok, dtype, tmp, progress)
+        return documents(files, table, num_units=len(raw))
+
+    def lay_out(self, docs: Documents, units: np.ndarray) -> Layout:
+        cfg, length = self.cfg, docs.length  # length: before truncation
+        split_docs = cfg.long_docs == "split"
+        kept = np.minimum(length, cfg.seq_len)
+        ids = units[kept[units] > 0]  # rows with nothing to learn (a chat without an assistant turn) are dropped
+        docs_of, starts, sizes = split_pieces(ids, length, cfg.seq_len) if split_docs else (ids, None, kept[ids])
+        offsets = layout_rows(sizes, cfg.seq_len, cfg.packing)
+        longer = int((length[ids] > cfg.seq_len).sum())
+        stats = {"rows": len(offsets) - 1, "documents": len(ids), "tokens": int(sizes.sum()),
+                 "target_tokens": int(docs.num_targets[ids].sum()), "truncated": 0 if split_docs else longer}
+        if split_docs:
+            stats.update(split=longer, pieces=len(docs_of))
+        return Layout(docs_of.astype(np.int64 if len(length) >= 2**31 else np.int32), offsets, stats, starts)
+
+    def check(self, stats: dict[str, Any]) -> None:
+        cfg, train = self.cfg, stats["train"]
+        if train["rows"] == 0:
+            why = " (no row has an assistant turn)" if cfg.format == "chat" else ""
+            raise UserError(f"data.path: no trainable rows after tokenizing '{cfg.path}' (format={cfg.format}){why}: "
+                            "check data.format and the field keys (`shardtune validate` shows the rows it reads)")
+        if train["target_tokens"] == 0:
+            warn_truncated(stats, cfg.seq_len)
+            raise UserError(f"data: no target tokens left in '{cfg.path}' (every response was cut off at "
+                            f"data.seq_len={cfg.seq_len}?): raise data.seq_len or shorten the prompts")
+
+    def source_row(self, unit: int) -> int:
+        return unit
+
+    def manifest_fields(self) -> dict[str, Any]:
+        return {"packing": self.cfg.packing, "long_docs": self.cfg.long_docs}
+
+
+# Preference rows become pairs of documents, never packed; every other format's rows are SFT documents.
+BUILDERS: dict[str, type[FormatBuilder]] = {"preference": PairBuilder}
+
+
+def builder_for(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> FormatBuilder:
+    return BUILDERS.get(cfg.format, SftBuilder)(cfg, tok)
 
 
 def _encode_dataset(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
-                    progress: Callable[[int, int], None] | None) -> tuple[list[str], pa.Table]:
+                    progress: Progress | None) -> tuple[list[str], pa.Table]:
     """Files of any size: `datasets.map`, in pieces of PIECE_ROWS rows, over a process pool when large enough.
     Each piece's output is an Arrow IPC stream file in `tmp` (what rows.py maps)."""
     import datasets
@@ -172,7 +223,7 @@ def interrupt_between_pieces():
 
 
 def _encode_rows(raw: list[dict[str, Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase, dtype: str, tmp: Path,
-                 progress: Callable[[int, int], None] | None) -> tuple[list[str], pa.Table]:
+                 progress: Progress | None) -> tuple[list[str], pa.Table]:
     """Rows in memory (builtin tasks: thousands): the same batches as `_encode_dataset`, in this process, written
     with pyarrow into one IPC stream file of the same schema, importing neither `datasets` nor pandas."""
     tables = [_encode_for_cache({k: [r[k] for r in raw[start : start + BATCH_ROWS]] for k in raw[0]}, cfg=cfg,

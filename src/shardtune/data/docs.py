@@ -1,9 +1,10 @@
-"""The cache's document store, shared by every layout (packed SFT rows, preference pairs): tokenized documents
-as Arrow IPC stream files (input_ids, a boolean target mask, length, num_targets), the helpers that read their
-columns back, and the manifest every entry writes."""
+"""The cache's document store, shared by every format's builder (packed SFT rows, preference pairs): tokenized
+documents as Arrow IPC stream files (input_ids, a boolean target mask, length, num_targets), the helpers that read
+their columns back, what a builder hands to the entry writer (build.py), and the manifest every entry writes."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,32 @@ from shardtune.data.tokens import IGNORE
 BATCH_ROWS = 1000  # rows per tokenizer call
 EVAL_RAW_KEEP = 1024  # raw held-out rows kept for the demo's exact-match check (train.demo_eval_samples <= this)
 HIST_EDGES = (0.125, 0.25, 0.5, 1.0)  # document length histogram bins, as fractions of seq_len
+
+
+@dataclass
+class Documents:
+    """A format's rows, encoded and written into the store: what the entry writer splits and lays out."""
+
+    files: list[str]  # Arrow IPC stream files in the temp dir
+    table: pa.Table  # their documents, memory-mapped
+    length: np.ndarray  # [documents] int64, tokens before truncation
+    num_targets: np.ndarray  # [documents] int64
+    num_units: int  # what the held-out split draws from: source rows (SFT) or kept pairs (preference)
+
+
+def documents(files: list[str], table: pa.Table, *, num_units: int) -> Documents:
+    return Documents(files, table, int_column(table, "length"), int_column(table, "num_targets"), num_units)
+
+
+@dataclass
+class Layout:
+    """One split of an entry: its rows as runs of documents, saved as `{split}_docs.npy` / `_rows.npy` /
+    `_starts.npy` (what rows.py maps), and the counts the manifest records for it."""
+
+    docs: np.ndarray  # [pieces] document ids in row order, int32 or int64
+    rows: np.ndarray  # [rows + 1] int64, row r = docs[rows[r]:rows[r + 1]]
+    stats: dict[str, int]
+    starts: np.ndarray | None = None  # [pieces] int64, data.long_docs=split: each piece's first token
 
 
 def token_dtype(tok: PreTrainedTokenizerBase) -> str:

@@ -9,8 +9,6 @@ counted in the manifest and warned about.
 """
 from __future__ import annotations
 
-import json
-import random
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,95 +16,90 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import docs as store
 from shardtune.data.batches import GlobalBatches, MicroBatch
-from shardtune.data.fields import resolve_fields
-from shardtune.data.pair_encoding import encode_pair, truncate_pair
+from shardtune.data.pair_encoding import Encoded, encode_pair, truncate_pair
 from shardtune.data.tokens import IGNORE
 from shardtune.errors import UserError
 
 
-@dataclass
-class _Encoded:
-    docs: list[tuple[list[int], list[int]]]  # 2 per kept pair: chosen, rejected
-    kept: list[int]  # source row of each kept pair
-    identical: int
-    truncated: list[bool]  # per kept pair
+class PairBuilder:
+    """The preference builder for build.py's entry writer: a unit is a kept pair, stored as two unpacked documents
+    in the same store and manifest as packed rows (data/docs.py), plus `pairs` counts."""
 
+    def __init__(self, cfg: DataConfig, tok: PreTrainedTokenizerBase) -> None:
+        self.cfg, self.tok = cfg, tok
+        self.kept: list[int] = []  # source row of each kept pair
+        self.truncated = np.zeros(0, dtype=bool)  # per kept pair
+        self.identical = 0  # rows dropped: chosen equals rejected
 
-def _encode(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase) -> _Encoded:
-    out = _Encoded([], [], 0, [])
-    for i in range(len(raw)):
-        row = raw[i]
+    def encode(self, raw: Any, dtype: str, tmp: Path, progress: Callable[[int, int], None] | None) -> store.Documents:
+        cfg = self.cfg
+        docs: Encoded = []  # 2 per kept pair: chosen, rejected
+        truncated = []
+        for i in range(len(raw)):
+            pair = self._encode_row(raw[i], i)
+            if pair is not None:
+                docs += pair[0]
+                self.kept.append(i)
+                truncated.append(pair[1])
+        if progress is not None:
+            progress(len(raw), len(raw))
+        if self.identical:
+            warnings.warn(f"data: {self.identical} preference rows have chosen identical to rejected (as written, or "
+                          f"once truncated to data.seq_len={cfg.seq_len}); they were dropped", stacklevel=2)
+        if not self.kept:
+            raise UserError(f"data.path: no usable preference pairs in '{cfg.path}' (every row's chosen equals its "
+                            "rejected?)")
+        self.truncated = np.array(truncated, dtype=bool)
+        table = pa.concat_tables([store.docs_table(docs[a : a + store.BATCH_ROWS], seq_len=cfg.seq_len, dtype=dtype)
+                                  for a in range(0, len(docs), store.BATCH_ROWS)])
+        return store.documents([store.write_docs(table, tmp)], table, num_units=len(self.kept))
+
+    def _encode_row(self, row: dict[str, Any], i: int) -> tuple[Encoded, bool] | None:
+        """Row i -> its two documents (prompt masked) and whether it was truncated; None when there is nothing to
+        prefer (counted in `identical`)."""
+        cfg = self.cfg
         for key in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field):
             if key and row.get(key) is None:
                 raise UserError(f"data.path: row {i} has no '{key}': every preference row needs "
                                 f"{cfg.prompt_field}, {cfg.chosen_field} and {cfg.rejected_field} (set data.*_field "
                                 "to remap column names)")
         if row[cfg.chosen_field] == row[cfg.rejected_field]:
-            out.identical += 1
-            continue
-        p, c, r, cut = truncate_pair(*encode_pair(row, cfg, tok), cfg.seq_len)
+            self.identical += 1
+            return None
+        p, c, r, cut = truncate_pair(*encode_pair(row, cfg, self.tok), cfg.seq_len)
         if c == r:  # different texts, the same tokens once cut to data.seq_len: nothing to prefer
-            out.identical += 1
-            continue
-        for resp in (c, r):
-            out.docs.append((p + resp, [IGNORE] * len(p) + resp))
-        out.kept.append(i)
-        out.truncated.append(cut)
-    return out
+            self.identical += 1
+            return None
+        return [(p + resp, [IGNORE] * len(p) + resp) for resp in (c, r)], cut
 
+    def lay_out(self, docs: store.Documents, units: np.ndarray) -> store.Layout:
+        """Pair p is documents 2p (chosen) and 2p + 1 (rejected); each document is a row of its own."""
+        ids = np.stack([2 * units, 2 * units + 1], axis=1).reshape(-1)
+        stats = {"rows": len(ids), "documents": len(ids), "pairs": len(units),
+                 "tokens": int(docs.length[ids].sum()),  # the documents are cut to seq_len already
+                 "target_tokens": int(docs.num_targets[ids].sum()), "truncated": int(self.truncated[units].sum())}
+        return store.Layout(ids, np.arange(len(ids) + 1, dtype=np.int64), stats)
 
-def build_pair_entry(raw: Any, cfg: DataConfig, tok: PreTrainedTokenizerBase, tmp: Path, *, seed: int,
-                     progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """The preference layout: pairs as two unpacked documents each, in the same store and manifest as packed rows
-    (data/docs.py), plus `pairs` counts."""
-    cfg = resolve_fields(cfg, list(raw[0]) if isinstance(raw, list) else raw.column_names)
-    dtype = store.token_dtype(tok)
-    enc = _encode(raw, cfg, tok)
-    if progress is not None:
-        progress(len(raw), len(raw))
-    if enc.identical:
-        warnings.warn(f"data: {enc.identical} preference rows have chosen identical to rejected (as written, or "
-                      f"once truncated to data.seq_len={cfg.seq_len}); they were dropped", stacklevel=2)
-    n = len(enc.kept)
-    if n == 0:
-        raise UserError(f"data.path: no usable preference pairs in '{cfg.path}' (every row's chosen equals its "
-                        "rejected?)")
-    tables = [store.docs_table(enc.docs[a : a + store.BATCH_ROWS], seq_len=cfg.seq_len, dtype=dtype)
-              for a in range(0, len(enc.docs), store.BATCH_ROWS)]
-    import pyarrow as pa
+    def check(self, stats: dict[str, Any]) -> None:
+        cfg, train = self.cfg, stats["train"]
+        if train["pairs"] == 0:
+            raise UserError(f"data.path: no training pairs left in '{cfg.path}': lower data.eval_fraction")
+        if train["truncated"]:
+            warnings.warn(f"{train['truncated']} preference pairs longer than data.seq_len={cfg.seq_len} were "
+                          "truncated (prompt keeps its end, responses their start)", stacklevel=2)
 
-    table = pa.concat_tables(tables)
-    files = [store.write_docs(table, tmp)]
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    num_eval = int(n * cfg.eval_fraction)
-    lengths = store.int_column(table, "length")  # the documents are cut to seq_len already
-    targets = store.int_column(table, "num_targets")
-    stats: dict[str, Any] = {}
-    for split, pairs in (("train", order[num_eval:]), ("eval", order[:num_eval])):
-        pairs_arr = np.array(pairs, dtype=np.int64)
-        ids = np.stack([2 * pairs_arr, 2 * pairs_arr + 1], axis=1).reshape(-1)
-        np.save(tmp / f"{split}_docs.npy", ids)
-        np.save(tmp / f"{split}_rows.npy", np.arange(len(ids) + 1, dtype=np.int64))
-        stats[split] = {"rows": len(ids), "documents": len(ids), "pairs": len(pairs),
-                        "tokens": int(lengths[ids].sum()), "target_tokens": int(targets[ids].sum()),
-                        "truncated": int(sum(enc.truncated[p] for p in pairs))}
-    if stats["train"]["pairs"] == 0:
-        raise UserError(f"data.path: no training pairs left in '{cfg.path}': lower data.eval_fraction")
-    if stats["train"]["truncated"]:
-        warnings.warn(f"{stats['train']['truncated']} preference pairs longer than data.seq_len={cfg.seq_len} were "
-                      "truncated (prompt keeps its end, responses their start)", stacklevel=2)
-    with open(tmp / "eval_raw.jsonl", "w") as f:
-        for p in order[:num_eval][:store.EVAL_RAW_KEEP]:
-            f.write(json.dumps(raw[enc.kept[p]], default=str) + "\n")
-    return store.manifest(cfg, tok, files=files, dtype=dtype, source_rows=len(raw), num_eval_raw=num_eval, stats=stats,
-                    lengths=lengths, packing=False, identical_pairs=enc.identical)
+    def source_row(self, unit: int) -> int:
+        return self.kept[unit]
+
+    def manifest_fields(self) -> dict[str, Any]:
+        return {"packing": False, "identical_pairs": self.identical}
 
 
 @dataclass
