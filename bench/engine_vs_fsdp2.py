@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from shardtune.config.dtypes import DTYPES
 from shardtune.engine import shard as ours_backend
 from shardtune.engine import torch_backend
 from shardtune.engine.api import MixedPrecision, ShardingPolicy, ShardingStrategy
@@ -109,7 +110,7 @@ def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> Non
                             timeout=datetime.timedelta(seconds=600))
     rows = []
     for dtype_name in a.dtypes.split(","):
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        dtype = DTYPES[dtype_name]
         runs = {b: build(a, b, dtype) for b in BACKENDS}
         nparams = sum(f.numel for u in runs["shardtune"][1].units for f in u.flats)  # vocab tables included
         times: dict[str, list[float]] = {b: [] for b in BACKENDS}

@@ -15,12 +15,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
+from shardtune.config.dtypes import DTYPES
+
 
 def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    dtype = DTYPES[a.dtype]
     for b in bench.BACKENDS:
         model, sharded, opt = bench.build(a, b, dtype)
         bench.train_step(a, model, sharded, opt, 0)  # warm up

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardtune.config.dtypes import DTYPES
+
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_vs_fsdp2 import build, train_step  # noqa: E402  (the same model, policy and loop)
 
@@ -85,7 +87,7 @@ def worker(rank: int, world: int, store_path: str, a: argparse.Namespace) -> Non
                             timeout=datetime.timedelta(seconds=600))
     timer = CommTimer()
     timer.install()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    dtype = DTYPES[a.dtype]
     runs = {b: build(a, b, dtype) for b in a.backends.split(",")}
     rows: dict[str, list[dict[str, float]]] = {b: [] for b in runs}
     for i in range(a.warmup + a.steps):

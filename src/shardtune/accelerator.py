@@ -40,6 +40,10 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
                                      landing buffers of offloaded gradients): pinned at its exact size on CUDA
   pinned_kind(storage)               simulated: "cached" (host_empty), "exact" (host_resident) or None (pageable)
   to_device(tensor, device)          a host tensor (a batch) copied to the device without a host sync (via pinned)
+  copy_to_device(src, device, *, out=None, copy=False, label="") -> (tensor, event)   the one H2D copy out of a
+                                     pinned host buffer: non-blocking on the current stream, then an event recorded
+                                     there (None on cpu, or when nothing was copied)
+  host_wait(event)                   the CPU blocks until the device has passed `event` (None: nothing to wait for)
   host_sync(kind) / host_syncs()     the simulated GPU's count of host synchronizations (TRACE "host_sync")
   has_pinned_memory(device)          whether torch can pin host memory for it (FSDP2's offload policy)
   optimizer_flags(params)            AdamW's implementation: {"fused": True} when every param is on the host (the
@@ -396,6 +400,36 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         staged = tensor.clone()
         _sim_pin(staged)
     return staged.to(device, non_blocking=True)
+
+
+def copy_to_device(src: torch.Tensor, device: torch.device, *, out: torch.Tensor | None = None, copy: bool = False,
+                   label: str = "") -> tuple[torch.Tensor, Any]:
+    """`src`, a host buffer pinned on an accelerator (`host_resident`, `host_empty`), on `device` without blocking
+    the CPU: copied on the current stream into `out` when given, else into a new tensor allocated on the current
+    stream (`src` itself when it is on `device` already and not `copy`: nothing copied). Returns the device tensor
+    and the event recorded on the current stream right after the copy; None on the host (the copy ran inline) or
+    when nothing was copied. The device reads `src` only when the stream gets there: the host must not write `src`
+    before the event (`host_wait`), nor another stream read the result (`stream.wait_event`). Simulated: the copy
+    is recorded as an "h2d" op on the current stream, `label` naming what was copied."""
+    if out is None:
+        out = src.to(device, non_blocking=True, copy=copy)  # plan --simulate's host tensors take this `.to`
+        if out is src:
+            return out, None
+    else:
+        out.copy_(src, non_blocking=True)
+    if not is_accelerator(device):
+        return out, None
+    note(device, "h2d", label)
+    done = new_event(device)
+    done.record()
+    return out, done
+
+
+def host_wait(event: Any) -> None:
+    """Block the CPU until the device has passed `event` (CUDA: a host sync; simulated: TRACE's "host_wait").
+    None: nothing queued, nothing to wait for."""
+    if event is not None:
+        event.synchronize()
 
 
 def has_pinned_memory(device: torch.device) -> bool:

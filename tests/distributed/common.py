@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.bundled import CONFIGS_DIR
+from shardtune.config.dtypes import DTYPE_NAMES
 from shardtune.config.schema import EngineConfig, LoraConfig, Recipe
 from shardtune.engine.api import ShardingPolicy, default_no_weight_decay
 from shardtune.parallelize import sharding_policy
@@ -50,9 +51,9 @@ def policy_for(model: nn.Module, strategy: str, *, world: int, param_dtype: torc
     """What train runs (parallelize.sharding_policy) for the recipe schema's defaults plus the stated settings:
     `strategy` (hybrid: shard groups of 2), the dtypes, `lora` ("lora", or "nf4" for QLoRA) and `engine`, any other
     engine.* key (prefetch=False)."""
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     recipe = Recipe(engine=EngineConfig(strategy=strategy, hybrid_shard_size=2 if strategy == "hybrid_shard" else None,
-                                        mixed_precision=names[param_dtype], reduce_dtype=names[reduce_dtype], **engine),
+                                        mixed_precision=DTYPE_NAMES[param_dtype],
+                                        reduce_dtype=DTYPE_NAMES[reduce_dtype], **engine),
                     lora=LoraConfig(enabled=lora is not None, quantize_base="nf4" if lora == "nf4" else None))
     return sharding_policy(recipe, model, world_size=world)
 

@@ -33,7 +33,7 @@ def resolve_engine(recipe: Recipe, *, world_size: int, local_world_size: int, ac
         quantize_base=nf4,
         # Our backend's tiled NF4 matmul (FSDP2 takes torchao's whole-weight one).
         nf4_tile_bytes=int(engine.nf4_tile_mb * (1 << 20)) if nf4 and engine.backend == "shardtune" else 0,
-        vocab_parallel=engine.vocab_parallel,  # each backend applies it only with a shard group of 2+ ranks
+        vocab_parallel=engine.vocab_parallel,  # applied only with a shard group of 2+ ranks (splits_vocab)
         shard_replicated_states=engine.shard_adapter_states,
         offload_activations=engine.offload_activations,
         mlp_chunk_tokens=engine.mlp_chunk_tokens,

@@ -76,8 +76,8 @@ class ShardingPolicy:
     # whole-weight linear_nf4.
     nf4_tile_bytes: int = 0
     # Our backend: the embedding and head tables sharded by vocabulary rows over the shard group and never gathered
-    # (engine/vocab.py). FSDP2: the (untied) embedding and head become units of their own. Each backend applies it
-    # only with a shard group of more than one rank.
+    # (engine/vocab.py). FSDP2: the (untied) embedding and head become units of their own. Applied only with a shard
+    # group of more than one rank (`splits_vocab`).
     vocab_parallel: bool = True
     # Replicated params: each rank holds the gradient and AdamW state of its own contiguous run of them only
     # (engine/replicated.py: reduce-scatter, step, all-gather after the optimizer step). False: all of them.
@@ -88,6 +88,12 @@ class ShardingPolicy:
     # Each unit's `mlp` runs over chunks of this many tokens (tiled_mlp.py; a model transform before checkpointing,
     # either backend). 0: off.
     mlp_chunk_tokens: int = 0
+
+
+def splits_vocab(vocab_parallel: bool, *, shard_size: int) -> bool:
+    """Whether `engine.vocab_parallel` applies to a shard group of `shard_size` ranks: with one copy per rank
+    (world 1, no_shard) there is nothing to split. Both backends and `plan` ask this."""
+    return vocab_parallel and shard_size > 1
 
 
 class ShardedModel(Protocol):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,10 +41,16 @@ class ParamSlot:
 
 class GatheredBuffer:
     """The unsharded buffer `full` (padded_numel elements) of a unit flat, freed and re-grown in place around each
-    use; shared by FlatParam and the NF4 QuantizedFlat. `aliased`: `full` is the shard itself (one rank)."""
+    use, and the shard's copies to the device; shared by FlatParam and the NF4 QuantizedFlat. `aliased`: `full` is
+    the shard itself (one rank)."""
     full: torch.Tensor
     padded_numel: int
     aliased: bool
+    shard: torch.Tensor  # 1D, numel P/W; offloaded: on the host, pinned on an accelerator
+    device: torch.device  # the compute device: `full` lives here
+    label: str  # the unit it belongs to, for the simulated GPU's record
+    # offload on an accelerator: the event after the last H2D copy of the shard (None: none since the last wait)
+    _h2d_done: Any = None
 
     def is_full_allocated(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
@@ -61,6 +68,24 @@ class GatheredBuffer:
         """Free the gathered storage but keep the tensor object: autograd's saved views of it stay valid handles."""
         if not self.aliased and self.is_full_allocated():
             memory.free_storage(self.full)
+
+    def shard_on_device(self, dtype: torch.dtype) -> torch.Tensor:
+        """The shard on the compute device in `dtype`: offloaded, an H2D copy on the current stream (`_copy_shard`);
+        then the cast, none when already so."""
+        send = self._copy_shard()
+        if send.dtype != dtype:
+            accelerator.note(self.device, "cast", self.label)
+        return send.to(dtype)
+
+    def _copy_shard(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The shard on the compute device (into `out` when given): offloaded on an accelerator, a non-blocking H2D
+        copy from pinned memory on the current stream; otherwise the shard itself. The copy reads the host shard
+        when the stream gets there: the host optimizer must not write the shard before (FlatParam's
+        `wait_host_reads` blocks on the last copy's event, which covers the earlier ones)."""
+        send, done = accelerator.copy_to_device(self.shard, self.device, out=out, label=self.label)
+        if done is not None:
+            self._h2d_done = done
+        return send
 
 
 class FlatParam(GatheredBuffer):
@@ -115,7 +140,6 @@ class FlatParam(GatheredBuffer):
                 if a < b:
                     self.segments.append((decay, a, b, nn.Parameter(self.shard[a:b])))
         self._shard_grad_ref: weakref.ref[torch.Tensor] | None = None  # weak: zero_grad(set_to_none) frees it
-        self._h2d_done = None  # offload on an accelerator: event after the last H2D copy of the shard
         self.label = ""  # the unit it belongs to, for the simulated GPU's record (shard.py sets it)
         # Never gathered: a vocabulary table used row-sharded where it is (engine/vocab.py); its gradient reaches
         # the segments through autograd, already summed over the shard group.
@@ -143,7 +167,7 @@ class FlatParam(GatheredBuffer):
         """What this rank sends in the all-gather: its shard on the compute device (offload: the H2D copy, a no-op
         on CPU), cast to the compute dtype (halves bytes for bf16). Issued on the current stream: the unit puts
         offload's copies on its copy stream (unit.py)."""
-        return shard_on_device(self, self.compute_dtype)
+        return self.shard_on_device(self.compute_dtype)
 
     def stage_rows(self) -> bool:
         """cpu_offload, a local table: room for its rows on the device, allocated on the current (compute) stream,
@@ -156,17 +180,15 @@ class FlatParam(GatheredBuffer):
     def copy_rows(self) -> None:
         """The rows' H2D copy into `staged`, non-blocking from pinned memory, on the current (copy) stream."""
         assert self.staged is not None
-        self.staged.copy_(self.shard, non_blocking=True)
-        _h2d_issued(self)
+        self._copy_shard(out=self.staged)
 
     def unstage_rows(self) -> None:
         self.staged = None  # autograd may still hold views of it for backward: they keep it alive
 
     def wait_host_reads(self) -> None:
         """Offload: block until the device has finished copying the host shard (before the optimizer writes it)."""
-        if self._h2d_done is not None:
-            self._h2d_done.synchronize()
-            self._h2d_done = None
+        accelerator.host_wait(self._h2d_done)
+        self._h2d_done = None
 
     def bind_views(self, *, requires_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Point every original parameter attribute at its view of `full`. Returns the tensor the views come from
@@ -216,26 +238,6 @@ class FlatParam(GatheredBuffer):
         """Bytes of this rank's model states held here: the shard plus its gradient when live."""
         g = self.shard_grad()
         return self.shard.nbytes + (g.nbytes if g is not None else 0)
-
-
-def shard_on_device(flat, dtype: torch.dtype) -> torch.Tensor:
-    """The shard on `flat.device` in `dtype` (FlatParam and QuantizedFlat)."""
-    send = flat.shard.to(flat.device, non_blocking=True)  # offload on an accelerator: async from pinned memory
-    if send is not flat.shard:
-        _h2d_issued(flat)
-    if send.dtype != dtype:
-        accelerator.note(flat.device, "cast", flat.label)
-    return send.to(dtype)  # no copy when already so
-
-
-def _h2d_issued(flat) -> None:
-    """After an H2D copy of `flat.shard` was issued on the current stream. The copy reads the host shard when the
-    stream gets there; the host optimizer must not write the shard before: `wait_host_reads` blocks on this event
-    (the last copy of the step covers the earlier ones)."""
-    if accelerator.is_accelerator(flat.device):
-        accelerator.note(flat.device, "h2d", flat.label)
-        flat._h2d_done = accelerator.new_event(flat.device)
-        flat._h2d_done.record()
 
 
 def slot_pieces(slots: list, shard_rank: int, shard_numel: int) -> Iterator[tuple[int, int, int, int]]:

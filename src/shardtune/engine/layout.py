@@ -9,12 +9,12 @@ each padded to a multiple of the shard-group size W, so every rank owns padded_n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from shardtune.engine.api import ShardingPolicy
+from shardtune.engine.api import ShardingPolicy, splits_vocab
 from shardtune.engine.nf4_layout import BLOCK_BYTES, Nf4Layout, quantizable
 from shardtune.engine.wrap import find_units
 from shardtune.errors import UserError
@@ -50,8 +50,9 @@ class UnitParams:
 
 
 def group_unit_params(module: nn.Module, policy: ShardingPolicy) -> list[UnitParams]:
-    """Units in forward order, then the root. Raises UserError for tied params split over units, mixed dtypes in one
-    buffer, or an empty root."""
+    """Units in forward order, then the root. `policy.vocab_parallel` as applied to the shard group (`splits_vocab`:
+    shard.py, `unit_layouts`): the tables go into `vocab`, else into the root's buffers. Raises UserError for tied
+    params split over units, mixed dtypes in one buffer, or an empty root."""
     unit_modules = find_units(module, policy.unit_classes, policy.min_unit_params)
     owner: dict[int, int] = {}  # id(submodule) -> unit index; absent -> root
     for i, um in enumerate(unit_modules):
@@ -196,8 +197,10 @@ def flat_layout(entries: list[Entry], *, requires_grad: bool, num_decay: int, sh
 
 
 def unit_layouts(module: nn.Module, policy: ShardingPolicy, shard_size: int) -> list[UnitLayout]:
-    """Per unit (forward order, root last): the trainable and frozen flat buffers' sizes and dtypes."""
+    """Per unit (forward order, root last): the trainable and frozen flat buffers' sizes and dtypes, over a shard
+    group of `shard_size` ranks."""
     assert shard_size >= 1
+    policy = replace(policy, vocab_parallel=splits_vocab(policy.vocab_parallel, shard_size=shard_size))
     path = {id(m): n for n, m in module.named_modules()}
     out = []
     for up in group_unit_params(module, policy):

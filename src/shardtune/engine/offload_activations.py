@@ -103,9 +103,6 @@ class ActivationOffloader:
         # stream, its reader: the allocator reuses the block only after the recompute's work that reads it.
         compute = accelerator.current_stream(self.device)
         with accelerator.use_stream(self.stream):
-            entry.device = entry.host.to(self.device, non_blocking=True, copy=True)
-            accelerator.note(self.device, "h2d", "activation")
-            entry.fetched = accelerator.new_event(self.device)
-            if entry.fetched is not None:
-                entry.fetched.record(self.stream)
+            entry.device, entry.fetched = accelerator.copy_to_device(entry.host, self.device, copy=True,
+                                                                     label="activation")
         accelerator.record_stream(entry.device, compute)

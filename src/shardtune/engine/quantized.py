@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardtune import accelerator
-from shardtune.engine.flat_param import GatheredBuffer, shard_on_device, slot_pieces
+from shardtune.engine.flat_param import GatheredBuffer, slot_pieces
 from shardtune.engine.layout import Entry, padded
 from shardtune.engine.nf4_layout import BLOCK_BYTES, Nf4Layout
 
@@ -74,7 +74,6 @@ class QuantizedFlat(GatheredBuffer):
         # 1D, uint8, P/W bytes: this rank's codes + scales (offload: on the host, pinned at its exact size on CUDA)
         self.shard = (accelerator.host_resident(self.shard_numel, torch.uint8, device, zero=True) if offload
                       else torch.zeros(self.shard_numel, dtype=torch.uint8, device=device))
-        self._h2d_done = None  # offload: event after the last H2D copy (nothing waits: no one writes the base)
         self.label = ""
         # No shard group, on the device: the shard IS the gathered buffer (as FlatParam's no_shard fp32): the bytes
         # are never copied, so a unit of one rank holds its base once, not twice (no_shard keeps every unit gathered).
@@ -108,10 +107,11 @@ class QuantizedFlat(GatheredBuffer):
 
     # -- unsharded buffer (alloc_full, free_full: GatheredBuffer) -------------------------------------------------
     def gather_input(self) -> torch.Tensor:
-        return shard_on_device(self, torch.uint8)  # offload: H2D of the bytes; else no copy
+        return self.shard_on_device(torch.uint8)  # offload: H2D of the bytes; else no copy
 
     def wait_host_reads(self) -> None:
-        """Nothing to wait for: the frozen base's host shard is only read (no optimizer writes it)."""
+        """Nothing to wait for: the frozen base's host shard is only read (no optimizer writes it). Its copies'
+        events are recorded all the same (GatheredBuffer), and never waited on."""
 
     def bind_views(self, *, requires_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Point each Linear's weight at an NF4Tensor over the gathered bytes. The base never takes a gradient."""

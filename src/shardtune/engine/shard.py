@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardtune import accelerator
-from shardtune.engine.api import ShardingPolicy, ShardingStrategy
+from shardtune.engine.api import ShardingPolicy, ShardingStrategy, splits_vocab
 from shardtune.engine.clip import scale_grads_, sq_norm
 from shardtune.engine.collectives import all_gather_into, all_reduce_
 from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
@@ -178,10 +178,10 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     shard_group, replicate_group = build_groups(policy.strategy, policy.hybrid_shard_size)
     shard_size = group_size(shard_group)
     shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
-    if policy.vocab_parallel and shard_size < 2:  # one copy per rank (world 1, no_shard): nothing to split by rows
-        policy = dataclasses.replace(policy, vocab_parallel=False)
-    policy = dataclasses.replace(policy, backward_schedule=policy.backward_schedule.on(
-        accelerator=accelerator.is_accelerator(device)))
+    # What depends on where it runs: vocabulary rows split only over 2+ ranks, AUTO's backward schedule
+    policy = dataclasses.replace(policy, vocab_parallel=splits_vocab(policy.vocab_parallel, shard_size=shard_size),
+                                 backward_schedule=policy.backward_schedule.on(
+                                     accelerator=accelerator.is_accelerator(device)))
     ctx = EngineContext(strategy=policy.strategy, shard_group=shard_group, replicate_group=replicate_group,
                         reduce_dtype=policy.mixed_precision.reduce_dtype, prefetch=policy.prefetch, device=device,
                         backward_schedule=policy.backward_schedule)

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from shardtune import accelerator
-from shardtune.engine.api import ShardingPolicy, ShardingStrategy
+from shardtune.engine.api import ShardingPolicy, ShardingStrategy, splits_vocab
 from shardtune.engine.clip import scale_grads_, sq_norm
 from shardtune.engine.wrap import find_units
 
@@ -121,7 +121,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     # As torchtitan does: the embedding and the head are units of their own (when untied), so the root's gathered
     # buffer never holds both V x H tables. The embedding is freed after its forward (and re-gathered for its
     # backward when it trains); the head is the first unit backward needs, so it stays gathered (reshard=False).
-    emb, head = table_units(module) if policy.vocab_parallel and mesh.size(-1) > 1 else (None, None)
+    emb, head = (table_units(module) if splits_vocab(policy.vocab_parallel, shard_size=mesh.size(-1))
+                 else (None, None))
     if emb is not None:
         fully_shard(emb, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     for unit in units:

@@ -44,7 +44,6 @@ from torch.distributed import ProcessGroup
 from shardtune import accelerator
 from shardtune.data.formats import IGNORE
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_all_into, reduce_scatter_into
-from shardtune.engine.flat_param import shard_on_device
 from shardtune.loss import add_outer_fp32
 
 # shard group -> its last embedding call's count, when every rank had it. Weak keys: a strong one would keep the
@@ -87,7 +86,7 @@ class VocabTable:
         # resharded. A use outside (none in training) copies here, on the current stream. No copy when on the device.
         dev = src
         if flat.on_host:
-            staged = (flat.staged if flat.staged is not None else shard_on_device(flat, flat.dtype))[:n]
+            staged = (flat.staged if flat.staged is not None else flat.shard_on_device(flat.dtype))[:n]
             grad = src.requires_grad and torch.is_grad_enabled()
             dev = _RowsToDevice.apply(src, staged, self) if grad else staged
         return dev.view(self.num_local, self.hidden).to(flat.compute_dtype)

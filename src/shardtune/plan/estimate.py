@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardtune.config.schema import Recipe
+from shardtune.engine.api import splits_vocab
 from shardtune.engine.layout import UnitLayout
 from shardtune.plan.moe import unpermute_bytes
 from shardtune.plan.offload_host import table_grad_host_bytes
@@ -362,7 +363,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     # The frozen base is stored in the compute dtype by our engine (parallelize.py: bf16 shards, no cast before the
     # all-gather) and as NF4 bytes under QLoRA; FSDP2 keeps it in the model's dtype and casts it at each all-gather.
     base_dtype = s.compute if s.lora and (s.backend == "shardtune" or s.nf4) else DTYPES[stats.recipe.model.dtype]
-    vp = s.vocab_parallel and W > 1  # as shard.shard_model: only with a shard group of 2+ ranks
+    vp = splits_vocab(s.vocab_parallel, shard_size=W)  # as the backends: only with a shard group of 2+ ranks
     units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora, vocab_parallel=vp)
     *blocks, root = units
     # A shard group of one rank whose shard is already in the compute dtype computes on its shard (flat_param.py

@@ -6,6 +6,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from shardtune.config.dtypes import DTYPE_NAMES
 from shardtune.plan.estimate import CATEGORIES
 from shardtune.plan.hardware import GiB
 from shardtune.plan.result import Plan
@@ -29,7 +30,7 @@ def summary_line(plan: Plan) -> str:
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     e, s = plan.estimate, plan.setup
-    compute = "bf16" if s.compute.itemsize == 2 else "fp32"
+    compute = DTYPE_NAMES[s.compute]
     console.print(f"[bold]{plan.stats.num_params:,}[/] params ({e.trainable_params:,} trainable), "
                   f"{len(e.units)} units; world {s.world} ({s.nodes} node(s)), shard group {s.shard_size}, "
                   f"{s.strategy}, {compute} compute, "

@@ -14,7 +14,7 @@ How, and what it leaves out:
     micro-steps' gradients exist" (> 1), which the second micro-step already has.
   - Offloaded host buffers (`accelerator.host_empty`, `host_resident`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
     cannot be allocated here. Ops on them stay host (counted apart, as host bytes); their non-blocking `.to()` (the
-    engine's H2D copy, flat_param.shard_on_device) makes a new device tensor, as the copy on a GPU does.
+    engine's H2D copy, accelerator.copy_to_device) makes a new device tensor, as the copy on a GPU does.
   - SDPA takes the kernel CUDA would (`_cuda_sdpa`: flash without a mask; with the packing mask the memory-efficient
     kernel and its per-layer bias), not the math path torch picks on meta.
   - Values are not computed (meta): the loss and norms read as 0. Packed rows' position ids read as zeros.
