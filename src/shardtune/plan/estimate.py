@@ -296,13 +296,13 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
     Vocab-parallel (`vocab_rows` R = ceil(V/W) local rows, engine/vocab.py): the chunks run over the W·b·s gathered
     tokens against R rows; the gathered hidden states and their gradient (2·W·b·s·H) live during the loop, the
     rank's own grad_h (b·s·H) and the local rows' gradient (R·H) after it. Without chunking: the local logits of all
-    gathered tokens and the all-to-all's output (each ~b·s·V), freed before the old path's fp32 tensors peak."""
+    gathered tokens and the all-to-all's output (each ~b·s·V), freed before the full-logits fp32 tensors peak."""
     d, c = stats.dims, _size(s.compute)
     V, tokens = d.vocab, s.micro_batch * s.seq_len
     if vocab_rows:
         W = s.shard_size
         full_fwd, full_bwd = loss_bytes(stats, s, head_trains)
-        if not s.loss_chunk:  # measured: the all-to-all's buffers are gone before the old path's forward peak;
+        if not s.loss_chunk:  # measured: the all-to-all's buffers are gone before the full logits' forward peak;
             # its backward holds the logits' gradient, its padded copy and the all-to-all's two buffers (b·s·V each)
             return full_fwd, max(full_bwd, 4 * tokens * V * c)
         G = W * tokens
@@ -356,28 +356,39 @@ def adapter_runs(stats: ModelStats, s: Setup) -> tuple[int, int]:
     return largest, s.world * largest
 
 
-def estimate(stats: ModelStats, s: Setup) -> Estimate:
-    d = stats.dims
-    c = _size(s.compute)
-    W = s.shard_size
+@dataclass(frozen=True, kw_only=True)
+class StepFacts:
+    """What every phase of one setup's step reads: the units as the engine shards them and the sizes they imply."""
+
+    c: int  # bytes per element of the compute (all-gather) dtype
+    r: int  # bytes per element of the reduce dtype
+    W: int  # shard group size
+    units: list[UnitLayout]  # the decoder units in forward order, then the root
+    blocks: list[UnitLayout]  # the decoder units
+    root: UnitLayout  # embeddings, final norm, head: gathered before unit 0, resharded after the last backward
+    # A shard group of one rank whose shard is already in the compute dtype computes on its shard (flat_param.py
+    # `aliased`), unless the shard is offloaded: then the unit is copied in and gathered as at any W.
+    aliased: bool
+    vp: bool  # vocab_parallel, as shard.shard_model applies it: only with a shard group of 2+ ranks
+    vocab_rows: int  # vocab_parallel: the local rows R of each row-sharded table (never gathered); else 0
+    vocab_train: int  # numel of the trainable row-sharded tables' local rows (counted with the params' shards)
+    tokens: int  # b·s of one forward
+    bsh: int  # bytes of one b·s·h activation (compute dtype): a unit's input
+    block_gathered: list[int]  # each decoder unit's unsharded buffer(s)
+    root_gathered: int  # the root's
+    tile_buf: int  # NF4 tiled matmul: the reused tile buffer (engine/nf4_linear.py), alive from the first matmul
+    dequant: int  # NF4: the transient of one matmul's dequantization
+
+
+def step_facts(stats: ModelStats, s: Setup) -> StepFacts:
+    d, c, W = stats.dims, _size(s.compute), s.shard_size
     # The frozen base is stored in the compute dtype by our engine (parallelize.py: bf16 shards, no cast before the
     # all-gather) and as NF4 bytes under QLoRA; FSDP2 keeps it in the model's dtype and casts it at each all-gather.
     base_dtype = s.compute if s.lora and (s.backend == "shardtune" or s.nf4) else DTYPES[stats.recipe.model.dtype]
     vp = splits_vocab(s.vocab_parallel, shard_size=W)  # as the backends: only with a shard group of 2+ ranks
     units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora, vocab_parallel=vp)
     *blocks, root = units
-    # A shard group of one rank whose shard is already in the compute dtype computes on its shard (flat_param.py
-    # `aliased`), unless the shard is offloaded: then the unit is copied in and gathered as at any W.
     aliased = W == 1 and not (s.offload and not s.device_is_cpu)
-    # vocab_parallel: the root's tables stay row-sharded (R rows each), never gathered; their shards count as params
-    vocab_rows = root.vocab[0].shard_numel // d.hidden if root.vocab else 0
-    vocab_train = sum(f.shard_numel for f in root.vocab if f.requires_grad)
-
-    def gathered(u: UnitLayout) -> int:  # the unsharded buffer(s) of a unit: compute dtype, NF4 bytes as bytes
-        # aliased (one rank): the shard is the buffer, for NF4 bytes too unless offloaded (engine/quantized.py)
-        return sum((0 if aliased and not s.offload else f.padded_numel) if f.dtype == torch.uint8
-                   else 0 if aliased and f.dtype == s.compute else f.padded_numel * c for f in u.gathered)
-
     tokens = s.micro_batch * s.seq_len
     tile_buf = 0
     if s.nf4 and s.lora and s.nf4_tile_bytes:
@@ -385,9 +396,42 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
                                            min(tokens, s.mlp_chunk) if s.mlp_chunk else tokens)
     else:
         dequant = nf4_matmul_bytes(units, c)
+    return StepFacts(c=c, r=_size(s.reduce), W=W, units=units, blocks=blocks, root=root, aliased=aliased, vp=vp,
+                     vocab_rows=root.vocab[0].shard_numel // d.hidden if root.vocab else 0,
+                     vocab_train=sum(f.shard_numel for f in root.vocab if f.requires_grad), tokens=tokens,
+                     bsh=tokens * d.hidden * c, block_gathered=[gathered_bytes(u, s, c, aliased) for u in blocks],
+                     root_gathered=gathered_bytes(root, s, c, aliased), tile_buf=tile_buf, dequant=dequant)
 
+
+def gathered_bytes(u: UnitLayout, s: Setup, c: int, aliased: bool) -> int:
+    """The unsharded buffer(s) of a unit: compute dtype (c bytes), NF4 bytes as bytes. Aliased (one rank): the shard
+    is the buffer, for NF4 bytes too unless offloaded (engine/quantized.py)."""
+    return sum((0 if aliased and not s.offload else f.padded_numel) if f.dtype == torch.uint8
+               else 0 if aliased and f.dtype == s.compute else f.padded_numel * c for f in u.gathered)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStates:
+    """Sharded params, grads and AdamW state: where they live, and the gradients the backward holds beside them."""
+
+    static: dict[str, int]  # alive in every phase on the device: params, optimizer, buffers
+    grads: int  # the sharded grads on the device once backward is done
+    grads_prev: int  # earlier micro-steps' grads, alive through the whole step
+    head_grad: int  # the head's weight gradient, held from the loss to the root's reduction
+    root_grad: int  # the root's sharded fp32 grad on the device, made by the root's reduction (the last)
+    unit_grads: list[int]  # each decoder unit's sharded fp32 grad on the device, made by its reduction
+    bucket: int  # the adapters' (and hybrid: the trainable tables') fp32 gradient bucket during backward
+    bucket_prev: int  # the same bucket, pending through the forward of a later micro-step
+    host_per_rank: int  # cpu_offload: the states on the host
+    lora_params: int  # the adapters' numel, 0 without LoRA
+    lora_own: int  # numel of the adapters whose gradient and AdamW state this rank holds
+    lora_bucket: int  # numel of the adapters' fp32 bucket of local sums
+
+
+def model_states(stats: ModelStats, s: Setup, step: StepFacts) -> ModelStates:
+    d, units, root = stats.dims, step.units, step.root
     shard_bytes = sum(f.shard_bytes() for u in units for f in u.flats)
-    train_shard = sum(u.trainable.shard_numel for u in units if u.trainable) + vocab_train
+    train_shard = sum(u.trainable.shard_numel for u in units if u.trainable) + step.vocab_train
     lora_p = stats.lora_params() if s.lora else 0
     # The adapters (engine/replicated.py): values whole on every rank; their gradient and AdamW state whole too, or
     # (shard_adapter_states) this rank's run only (at most lora_own); the fp32 bucket of local sums, lora_bucket.
@@ -395,200 +439,255 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     states_params = shard_bytes + 4 * lora_p
     grads_full = 4 * train_shard + 4 * lora_own
     opt = 8 * train_shard + 8 * lora_own
-    buffers = stats.buffer_bytes() + tile_buf
     # Grads of earlier micro-steps: sharded fp32 (sync every micro-step) or unsharded fp32 per unit (no sync). The
     # adapters' wait in the bucket (counted below) until the step's last backward: nothing in their .grad. One rank
-    # (no bucket: autograd accumulates in .grad) and FSDP2 (held like any gradient, counted whole as before) hold it.
+    # (no bucket: autograd accumulates in .grad) and FSDP2 (held like any gradient, counted whole) hold it.
     grads_prev = adapters_prev = 0
     if s.grad_accum > 1:
         adapters_prev = 4 * lora_p if s.backend == "torch" or s.world == 1 else 0
         grads_prev = adapters_prev + (4 * train_shard if s.sync_every_microstep else
                                       sum(4 * u.trainable.padded_numel for u in units if u.trainable))
     host_per_rank = 0
-    if s.offload:  # (activations offloaded to the host are added below)  # model states move to the host; the device keeps what is gathered and in flight
+    dev_params, dev_grads, dev_opt = states_params, grads_full, opt
+    if s.offload:  # model states move to the host; the device keeps the adapters' and what is gathered and in flight
         host_per_rank = offloaded_host_bytes(units, s) + opt - 8 * lora_own
-        dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_own, 8 * lora_own
         grads_prev = adapters_prev if s.sync_every_microstep else grads_prev
-        if s.device_is_cpu:  # the host IS the device: nothing is saved
-            dev_params, dev_grads, dev_opt = states_params, grads_full, opt
-    else:
-        dev_params, dev_grads, dev_opt = states_params, grads_full, opt
-
-    # Activations.
-    L = len(blocks)
-    per_layer = activation_bytes_per_layer(stats, s)
-    bsh = s.micro_batch * s.seq_len * d.hidden * c
-    ck = s.checkpointing
-    every = 0 if ck is False else (1 if ck is True else int(ck))
-    ckpt = [bool(every) and i % every == 0 for i in range(L)]  # units 0, k, 2k, ... (engine/checkpointing.py)
-    off = s.offload_activations and bool(every)
-    saved = [(0 if off else bsh) if c_ else per_layer for c_ in ckpt]  # a checkpointed unit keeps only its input
-    host_acts = sum(ckpt) * pinned_bytes(bsh, s) if off else 0  # ... on the host when offloaded
-
-    def fetched(i: int) -> int:
-        """Offloaded inputs on the device during unit i's backward: its own and the AHEAD earlier ones."""
-        return bsh * sum(ckpt[j] for j in range(max(0, i - AHEAD), i + 1)) if off else 0
-    acts = sum(saved) + root_activation_bytes(stats, s)
-    last_ckpt = bool(ckpt) and ckpt[-1]
-    recompute = per_layer if last_ckpt else 0  # the last unit's full set, recomputed during its backward
-    head_trains = (root.trainable is not None and not vp) or bool(vocab_train)
-    ce_fwd, ce_bwd = loss_bytes(stats, s, head_trains, vocab_rows)
-
-    # Gathered units held at the end of forward.
-    unit_g = [gathered(u) for u in blocks]
-    big = max(unit_g, default=0)
-    if s.split_tables and W > 1 and not stats.tied_tables():
-        # FSDP2 (torch_backend.table_units): the embedding is its own unit, freed after its forward (full_shard);
-        # the head's unit stays gathered like the root, so the root's held buffer is one V x H table smaller
-        emb_table = d.vocab * d.hidden * c if s.strategy != "shard_grad_op" else 0
-        root_held = gathered(root) - emb_table
-    else:
-        root_held = gathered(root)
-    if s.strategy in ("shard_grad_op", "no_shard"):
-        held_fwd = root_held + sum(unit_g)
-    else:
-        held_fwd = root_held + (unit_g[-1] if unit_g else 0)
-    offload_copy = 0
-    if s.offload and not s.device_is_cpu:
-        # The H2D copy of a decoder unit's shards before its all-gather: the prefetched unit's. A unit waits for its
-        # own gather (dropping its copy) before it prefetches the next (engine/unit.py), so one copy is alive at a
-        # time (the simulated Qwen3-30B-A3B offload step holds one: two over-predicted it by 0.58 GiB). Not the
-        # root's: it is gathered once, before unit 0, and stays gathered until the end of backward (held_bwd), so
-        # its copy is never alive at a peak. Counting the root's (embeddings + head, the largest shard)
-        # over-predicted the 70B offload recipe by 7 % against `plan --simulate` (bench/RESULTS.md).
-        # A shard group of one: the copy goes into the gathered buffer and is freed at once (unit.py unshard).
-        offload_copy = max((f.shard_bytes() for u in blocks for f in u.flats), default=0) if W > 1 else 0
-        # Row-sharded tables: their rows copied to the device once the root is unsharded, kept until it is
-        # resharded (engine/flat_param.py stage_rows): from the first forward to the end of backward.
-        offload_copy += sum(f.shard_bytes() for f in root.vocab)
-
-    # Backward of a unit: its params' grads (compute dtype) + their flat concatenation, fp32 cast for the reduce,
-    # the sharded output; the head's weight grad is held until the root reduces.
-    def handoff(u: UnitLayout) -> tuple[int, int]:
-        """A unit's gradient hand-off (engine/unit.py _post_backward): (grad bytes while autograd concatenates the
-        per-param grads into the flat grad, unit still gathered; grad bytes while reducing, after the unit's
-        gathered buffer is freed: the flat grad and its cast to reduce_dtype, then the cast and the 1D P/W output)."""
-        if u.trainable is None:
-            return 0, 0
-        p = u.trainable.padded_numel
-        r = _size(s.reduce)
-        cast = p * r if s.reduce != s.compute else 0
-        out = p // W * r if W > 1 else 0
-        return 2 * p * c, max(p * c + cast, (cast or p * c) + out)
-
-    def in_flight(i: int) -> int:
-        """Unit i's reduction still in flight (engine/reduce.py, one at a time) during unit i-1's backward (retired
-        before its gradient cat): its gradient in reduce_dtype (the output is counted with the sharded grads). Without a shard group (W=1,
-        no_shard) the gradient is its own output: nothing extra."""
-        t = blocks[i].trainable if 0 <= i < len(blocks) and W > 1 else None
-        return t.padded_numel * _size(s.reduce) if t is not None else 0
-
-    last_cat, last_red = handoff(blocks[-1]) if blocks else (0, 0)
-    root_cat, root_red = handoff(root)
-    aliased_units = aliased and s.compute == DTYPES[stats.recipe.model.dtype] and not s.lora
-    bsi = min(s.micro_batch * s.seq_len, s.mlp_chunk or s.micro_batch * s.seq_len) * d.intermediate * c
-    mlp_w_grad = d.mlp_weight_numel * c if not s.lora else 0
-    root_grad = 4 * root.trainable.shard_numel if root.trainable is not None and not s.offload else 0
-    # The head's weight gradient, held from the loss to the root's reduction; vocab-parallel: the local rows' (fp32
-    # in the segment's .grad, accumulated by autograd), part of the sharded grads from then on.
-    head_grad = (vocab_rows * d.hidden * c if vocab_train else 0) if vp else \
-        (d.vocab * d.hidden * c if root.trainable is not None else 0)
-    prefetch_g = big if s.prefetch and s.strategy not in ("shard_grad_op", "no_shard") else 0
-    held_bwd = held_fwd if s.strategy in ("shard_grad_op", "no_shard") else root_held + big + prefetch_g
-
-    # Backward of unit i (inside its MLP backward): the activations saved by units 0..i-1, unit i's own set (saved,
-    # or recomputed on top of its saved input), the sharded grads of every later unit. Without checkpointing the
-    # last unit is the worst (all activations alive); with it the earliest can be (little was saved, the grads of
-    # all later units exist: measured at the first unit's recompute, every-1 checkpointing).
+        if not s.device_is_cpu:  # on a CPU run the host IS the device: offloading saves nothing there
+            dev_params, dev_grads, dev_opt = 4 * lora_p, 4 * lora_own, 8 * lora_own
     grads_on_device = not s.offload or s.device_is_cpu
     # LoRA on more than one rank: the adapters' gradient bucket (engine/replicated.py `pending`, fp32, all adapters)
     # is allocated at the first adapter gradient, in the last unit's backward of a step's first micro-step, and
     # lives until the end of its last micro-step's backward: through the forward of every later micro-step too.
     bucket = 4 * lora_bucket if s.world > 1 else 0
-    if s.world > W:  # hybrid: a trainable table's row gradients pend for the replica all-reduce the same way
-        bucket += 4 * vocab_train
-    bucket_prev = bucket if s.grad_accum > 1 and s.backend != "torch" else 0
-    unit_grad = [4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0 for u in blocks]
+    if s.world > step.W:  # hybrid: a trainable table's row gradients pend for the replica all-reduce the same way
+        bucket += 4 * step.vocab_train
+    # The head's weight gradient, held from the loss to the root's reduction; vocab-parallel: the local rows' (fp32
+    # in the segment's .grad, accumulated by autograd), part of the sharded grads from then on.
+    head_grad = (step.vocab_rows * d.hidden * step.c if step.vocab_train else 0) if step.vp else \
+        (d.vocab * d.hidden * step.c if root.trainable is not None else 0)
+    static = {"params": dev_params, "optimizer": dev_opt, "buffers": stats.buffer_bytes() + step.tile_buf}
+    return ModelStates(static=static, grads=dev_grads, grads_prev=grads_prev, head_grad=head_grad,
+                       root_grad=4 * root.trainable.shard_numel if root.trainable is not None and not s.offload else 0,
+                       unit_grads=[4 * u.trainable.shard_numel if u.trainable and grads_on_device else 0
+                                   for u in step.blocks],
+                       bucket=bucket, bucket_prev=bucket if s.grad_accum > 1 and s.backend != "torch" else 0,
+                       host_per_rank=host_per_rank, lora_params=lora_p, lora_own=lora_own, lora_bucket=lora_bucket)
 
-    overlap = s.backward_schedule == "overlap"
+
+@dataclass(frozen=True, kw_only=True)
+class Activations:
+    """What the forward saves for backward, per decoder unit and in all."""
+
+    per_layer: int  # one unit's full set (activation_bytes_per_layer)
+    ckpt: list[bool]  # each unit checkpointed (keeps only its input)
+    saved: list[int]  # each unit's saved bytes on the device at the end of forward
+    offloaded: bool  # the checkpointed inputs go to the host (engine/offload_activations.py)
+    bsh: int  # one unit input's bytes
+    total: int  # every unit's saved bytes and the root's (final norm, rotary tables, ids)
+    root_backward: int  # the root's saved bytes left during a unit's backward
+    host: int  # the checkpointed inputs' pinned host buffers, when offloaded
+
+    def fetched(self, i: int) -> int:
+        """Offloaded inputs on the device during unit i's backward: its own and the AHEAD earlier ones."""
+        return self.bsh * sum(self.ckpt[j] for j in range(max(0, i - AHEAD), i + 1)) if self.offloaded else 0
+
+
+def saved_activations(stats: ModelStats, s: Setup, step: StepFacts) -> Activations:
+    d, bsh, ck = stats.dims, step.bsh, s.checkpointing
+    per_layer = activation_bytes_per_layer(stats, s)
+    every = 0 if ck is False else (1 if ck is True else int(ck))
+    # Checkpointed: units 0, k, 2k, ... (engine/checkpointing.py)
+    ckpt = [bool(every) and i % every == 0 for i in range(len(step.blocks))]
+    off = s.offload_activations and bool(every)
+    saved = [(0 if off else bsh) if c_ else per_layer for c_ in ckpt]  # a checkpointed unit keeps only its input
+    root = root_activation_bytes(stats, s)
     # In a unit's backward the final norm's saved tensors are gone (its backward ran first): rotary tables, ids.
-    root_backward = root_activation_bytes(stats, s) - s.micro_batch * s.seq_len * d.hidden * (4 + 2 * c)
+    return Activations(per_layer=per_layer, ckpt=ckpt, saved=saved, offloaded=off, bsh=bsh, total=sum(saved) + root,
+                       root_backward=root - step.tokens * d.hidden * (4 + 2 * step.c),
+                       host=sum(ckpt) * pinned_bytes(bsh, s) if off else 0)
 
-    def unit_backward(i: int) -> dict[str, int]:
+
+@dataclass(frozen=True, kw_only=True)
+class Gathered:
+    """Unsharded unit buffers alive across the step, and the offload copies beside them."""
+
+    root_held: int  # the root's buffer(s), gathered from before unit 0 to the end of backward
+    forward: int  # held at the end of forward: the root and the last unit, or (no reshard after forward) every unit
+    backward: int  # held in a unit's backward: the root, that unit and the one prefetched
+    offload_copy: int  # cpu_offload: the H2D copies of shards alive at any time
+
+
+def forward_gathered(stats: ModelStats, s: Setup, step: StepFacts) -> Gathered:
+    d, unit_g = stats.dims, step.block_gathered
+    big = max(unit_g, default=0)
+    if s.split_tables and step.W > 1 and not stats.tied_tables():
+        # FSDP2 (torch_backend.table_units): the embedding is its own unit, freed after its forward (full_shard);
+        # the head's unit stays gathered like the root, so the root's held buffer is one V x H table smaller
+        emb_table = d.vocab * d.hidden * step.c if s.strategy != "shard_grad_op" else 0
+        root_held = step.root_gathered - emb_table
+    else:
+        root_held = step.root_gathered
+    keeps_units = s.strategy in ("shard_grad_op", "no_shard")
+    held_fwd = root_held + (sum(unit_g) if keeps_units else (unit_g[-1] if unit_g else 0))
+    prefetch_g = big if s.prefetch and not keeps_units else 0
+    offload_copy = 0
+    if s.offload and not s.device_is_cpu:
+        # The H2D copy of a decoder unit's shards before its all-gather: the prefetched unit's. A unit waits for its
+        # own gather (dropping its copy) before it prefetches the next (engine/unit.py), so one copy is alive at a
+        # time. Not the root's: it is gathered once, before unit 0, and stays gathered until the end of backward
+        # (Gathered.backward), so its copy is never alive at a peak.
+        # A shard group of one: the copy goes into the gathered buffer and is freed at once (unit.py unshard).
+        offload_copy = max((f.shard_bytes() for u in step.blocks for f in u.flats), default=0) if step.W > 1 else 0
+        # Row-sharded tables: their rows copied to the device once the root is unsharded, kept until it is
+        # resharded (engine/flat_param.py stage_rows): from the first forward to the end of backward.
+        offload_copy += sum(f.shard_bytes() for f in step.root.vocab)
+    return Gathered(root_held=root_held, forward=held_fwd,
+                    backward=held_fwd if keeps_units else root_held + big + prefetch_g, offload_copy=offload_copy)
+
+
+def loss_phases(stats: ModelStats, s: Setup, step: StepFacts, states: ModelStates, acts: Activations,
+                held: Gathered) -> dict[str, dict[str, int]]:
+    """The end of forward (the loss computed) and the loss's backward: every activation saved, the units gathered
+    at the end of forward, the loss's transient on top (loss_bytes)."""
+    head_trains = (step.root.trainable is not None and not step.vp) or bool(step.vocab_train)
+    ce_fwd, ce_bwd = loss_bytes(stats, s, head_trains, step.vocab_rows)
+    alive = {**states.static, "grads": states.grads_prev + states.bucket_prev,
+             "gathered": held.forward + held.offload_copy}
+    return {"forward-loss": {**alive, "activations": acts.total + ce_fwd},
+            "loss-backward": {**alive, "activations": acts.total + ce_bwd}}
+
+
+def in_flight_bytes(step: StepFacts, i: int) -> int:
+    """Unit i's reduction still in flight (engine/reduce.py, one at a time) during unit i-1's backward (retired
+    before its gradient cat): its gradient in reduce_dtype (the output is counted with the sharded grads). Without a
+    shard group (W=1, no_shard) the gradient is its own output: nothing extra."""
+    t = step.blocks[i].trainable if 0 <= i < len(step.blocks) and step.W > 1 else None
+    return t.padded_numel * step.r if t is not None else 0
+
+
+def unit_backward_phase(stats: ModelStats, s: Setup, step: StepFacts, states: ModelStates, acts: Activations,
+                        held: Gathered) -> dict[str, int]:
+    """The worst unit's backward, inside its MLP backward: the activations saved by units 0..i-1, unit i's own set
+    (saved, or recomputed on top of its saved input), the sharded grads of every later unit. Without checkpointing
+    the last unit is the worst (all activations alive); with it the earliest can be (little was saved, the grads of
+    all later units exist: measured at the first unit's recompute, every-1 checkpointing). For the last unit,
+    measured: the peak inside its MLP backward, with every activation still saved, the down-projection's weight
+    grad and two b·s·i grads (of act·up and of act / up) alive, the head's weight grad held, the previous unit
+    prefetched."""
+    d, c, bsh = stats.dims, step.c, step.bsh
+    bsi = min(step.tokens, s.mlp_chunk or step.tokens) * d.intermediate * c
+    mlp_w_grad = d.mlp_weight_numel * c if not s.lora else 0
+    # A MoE layer's backward (and recompute) holds the un-permute's rows on top of its saved set (plan/moe.py)
+    unpermute = unpermute_bytes(d.moe, d.hidden, step.tokens, c) if d.moe else 0
+    transient = max(2 * bsi, unpermute, adapter_sum_bytes(stats, s))
+    # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
+    # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
+    # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).
+    nf4_extra = max(0, step.dequant - 2 * bsi)
+    overlap = s.backward_schedule == "overlap"
+    units = []
+    for i in range(len(step.blocks)):
         # A recomputed fp32 unit's first norm saves the unit input itself (bf16 saves an upcast copy): counted once.
-        own = saved[i] + (per_layer - (bsh if c == 4 else 0) if ckpt[i] else 0) + fetched(i)
+        own = acts.saved[i] + (acts.per_layer - (bsh if c == 4 else 0) if acts.ckpt[i] else 0) + acts.fetched(i)
         # engine/unit.py's schedules. Staggered: unit 1's reduction is retired before unit 0's backward; in any
         # other unit's MLP backward (its first half) the next unit's reduction is in flight and the previous unit
         # is gathered ahead only after it is retired (no reduction in flight: at once). Overlap (FSDP2's): the next
         # unit's reduction is in flight and the previous unit gathered during the whole backward of every unit.
-        flight = in_flight(i + 1) if i or overlap else 0
+        flight = in_flight_bytes(step, i + 1) if i or overlap else 0
         if s.strategy in ("shard_grad_op", "no_shard"):
-            held = held_fwd
+            gathered = held.forward
         else:
             ahead = i and s.prefetch and (overlap or not flight)
-            held = root_held + unit_g[i] + (unit_g[i - 1] if ahead else 0)
-        return {**static, "grads": max(grads_prev, sum(unit_grad[i + 1:])) + head_grad + mlp_w_grad + bucket
-                + flight,
-                "gathered": held + offload_copy + nf4_extra,
-                "activations": sum(saved[:i]) + own + root_backward + bsh + max(2 * bsi, unpermute, adapter_sum)}
-    # A MoE layer's backward (and recompute) holds the un-permute's rows on top of its saved set (plan/moe.py)
-    unpermute = unpermute_bytes(d.moe, d.hidden, s.micro_batch * s.seq_len, c) if d.moe else 0
-    adapter_sum = adapter_sum_bytes(stats, s)
-    # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
-    # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
-    # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).
-    nf4_extra = max(0, dequant - 2 * bsi)
-    static = {"params": dev_params, "optimizer": dev_opt, "buffers": buffers}
-    after_last_grad = {"gathered": held_bwd - (unit_g[-1] if unit_g and not aliased_units else 0) + offload_copy,
-                       "activations": acts + recompute + bsh - (bsh if last_ckpt else per_layer) + fetched(L - 1)}
-    phases: dict[str, dict[str, int]] = {
-        "forward-loss": {**static, "grads": grads_prev + bucket_prev, "gathered": held_fwd + offload_copy,
-                         "activations": acts + ce_fwd},
-        "loss-backward": {**static, "grads": grads_prev + bucket_prev, "gathered": held_fwd + offload_copy,
-                          "activations": acts + ce_bwd},
-        # The worst unit's backward (unit_backward above). For the last unit, measured: the peak inside its MLP
-        # backward, with every activation still saved, the down-projection's weight grad and two b·s·i grads (of
-        # act·up and of act / up) alive, the head's weight grad held, the previous unit prefetched. Its end (grads
-        # concatenated, cast, reduce-scattered) measured at the start's level plus the flat grad less the unit's
-        # activations.
-        "unit-backward": max((unit_backward(i) for i in range(L)), key=lambda ph: sum(ph.values()),
-                             default={**static, "grads": 0, "gathered": 0, "activations": 0}),
-        # The engine frees a unit's gathered buffer at its last parameter grad, before autograd cats the flat
-        # grad (engine/unit.py _on_param_grad): the cat and the reduce run without it (unless aliased at W=1).
-        # Overlap: every other unit's gradient cat runs with the next unit's reduction still in flight.
-        "unit-gradcat": {**static, "grads": grads_prev + head_grad + last_cat + bucket
-                         + (max(map(in_flight, range(1, L)), default=0) if overlap else 0), **after_last_grad},
-        "unit-reduce": {**static, "grads": grads_prev + head_grad + last_red + bucket, **after_last_grad},
-        "root-gradcat": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_cat,
-                         "gathered": (gathered(root) if aliased_units else 0) + offload_copy, "activations": 0},
-        "root-reduce": {**static, "grads": max(grads_prev, dev_grads - root_grad) + root_red,
-                        "gathered": offload_copy, "activations": 0},
-        "optimizer": {**static, "grads": dev_grads, "gathered": 0,
-                      "activations": 0},
-    }
-    # AdamW temporaries. Host states (a CPU run; offload steps on the host too) use the fused CPU kernel
-    # (train.build_optimizer): in place, no temporaries. CUDA (foreach): one sqrt per segment, all at once.
+            gathered = held.root_held + step.block_gathered[i] + (step.block_gathered[i - 1] if ahead else 0)
+        units.append({**states.static, "grads": max(states.grads_prev, sum(states.unit_grads[i + 1:]))
+                      + states.head_grad + mlp_w_grad + states.bucket + flight,
+                      "gathered": gathered + held.offload_copy + nf4_extra,
+                      "activations": sum(acts.saved[:i]) + own + acts.root_backward + bsh + transient})
+    return max(units, key=lambda ph: sum(ph.values()),
+               default={**states.static, "grads": 0, "gathered": 0, "activations": 0})
+
+
+def handoff_bytes(u: UnitLayout, s: Setup, step: StepFacts) -> tuple[int, int]:
+    """A unit's gradient hand-off (engine/unit.py _post_backward): (grad bytes while autograd concatenates the
+    per-param grads into the flat grad, unit still gathered; grad bytes while reducing, after the unit's gathered
+    buffer is freed: the flat grad and its cast to reduce_dtype, then the cast and the 1D P/W output)."""
+    if u.trainable is None:
+        return 0, 0
+    p, c, r = u.trainable.padded_numel, step.c, step.r
+    cast = p * r if s.reduce != s.compute else 0
+    out = p // step.W * r if step.W > 1 else 0
+    return 2 * p * c, max(p * c + cast, (cast or p * c) + out)
+
+
+def reduction_phases(stats: ModelStats, s: Setup, step: StepFacts, states: ModelStates, acts: Activations,
+                     held: Gathered) -> dict[str, dict[str, int]]:
+    """The gradient hand-off of the last decoder unit (its end measured at the start's level plus the flat grad
+    less the unit's activations) and of the root at the very end of backward (every other unit's grads sharded):
+    the per-param grads concatenated (gradcat), then cast and reduce-scattered (reduce). The engine frees a unit's
+    gathered buffer at its last parameter grad, before autograd cats the flat grad (engine/unit.py _on_param_grad):
+    the cat and the reduce run without it (unless aliased at W=1). Overlap: every other unit's gradient cat runs
+    with the next unit's reduction still in flight."""
+    L, unit_g = len(step.blocks), step.block_gathered
+    last_cat, last_red = handoff_bytes(step.blocks[-1], s, step) if step.blocks else (0, 0)
+    root_cat, root_red = handoff_bytes(step.root, s, step)
+    aliased_units = step.aliased and s.compute == DTYPES[stats.recipe.model.dtype] and not s.lora
+    last_ckpt = bool(acts.ckpt) and acts.ckpt[-1]
+    recompute = acts.per_layer if last_ckpt else 0  # the last unit's full set, recomputed during its backward
+    after_last_grad = {"gathered": held.backward - (unit_g[-1] if unit_g and not aliased_units else 0)
+                       + held.offload_copy,
+                       "activations": acts.total + recompute + acts.bsh - (acts.bsh if last_ckpt else acts.per_layer)
+                       + acts.fetched(L - 1)}
+    overlap = s.backward_schedule == "overlap"
+    in_flight = max((in_flight_bytes(step, i) for i in range(1, L)), default=0) if overlap else 0
+    grads_last = states.grads_prev + states.head_grad + states.bucket  # beside the last unit's hand-off
+    grads_root = max(states.grads_prev, states.grads - states.root_grad)  # beside the root's
+    return {"unit-gradcat": {**states.static, "grads": grads_last + last_cat + in_flight, **after_last_grad},
+            "unit-reduce": {**states.static, "grads": grads_last + last_red, **after_last_grad},
+            "root-gradcat": {**states.static, "grads": grads_root + root_cat,
+                             "gathered": (step.root_gathered if aliased_units else 0) + held.offload_copy,
+                             "activations": 0},
+            "root-reduce": {**states.static, "grads": grads_root + root_red, "gathered": held.offload_copy,
+                            "activations": 0}}
+
+
+def optimizer_phase(s: Setup, step: StepFacts, states: ModelStates) -> dict[str, int]:
+    """AdamW's step: the sharded grads, and its temporaries. Host states (a CPU run; offload steps on the host too)
+    use the fused CPU kernel (train.build_optimizer): in place, no temporaries. CUDA (foreach): one sqrt per
+    segment, all at once."""
     segs = []
     for decay in (True, False):  # optimizer order: decay group, then no-decay, units in forward order, root last
-        for t in [*(u.trainable for u in units), *(f for f in root.vocab if f.requires_grad)]:
+        for t in [*(u.trainable for u in step.units), *(f for f in step.root.vocab if f.requires_grad)]:
             if t is not None:
                 n = t.decay_numel if decay else t.numel - t.decay_numel
                 if n:
                     segs.append(4 * min(n, t.shard_numel))
-    segs += [4 * lora_own] if lora_own else []
+    segs += [4 * states.lora_own] if states.lora_own else []
     temp = 0 if s.device_is_cpu else sum(segs)
     # Sharded adapter states: after the step, this rank's run (M) and the all-gathered bucket (W·M), fp32
-    regather = 4 * (lora_bucket + lora_own) if s.shard_adapter_states and s.world > 1 and lora_p else 0
-    if not s.offload or s.device_is_cpu:
-        phases["optimizer"]["gathered"] = max(temp, regather)
-    else:
-        phases["optimizer"]["gathered"] += regather
+    regather = 4 * (states.lora_bucket + states.lora_own) if (s.shard_adapter_states and s.world > 1
+                                                               and states.lora_params) else 0
+    on_device = not s.offload or s.device_is_cpu
+    return {**states.static, "grads": states.grads, "gathered": max(temp, regather) if on_device else regather,
+            "activations": 0}
+
+
+def estimate(stats: ModelStats, s: Setup) -> Estimate:
+    """The step's phases (the module docstring), from what they share: the units and sizes, the model states, the
+    saved activations and the gathered buffers. The peak is the largest phase."""
+    step = step_facts(stats, s)
+    states = model_states(stats, s, step)
+    acts = saved_activations(stats, s, step)
+    held = forward_gathered(stats, s, step)
+    phases = {**loss_phases(stats, s, step, states, acts, held),
+              "unit-backward": unit_backward_phase(stats, s, step, states, acts, held),
+              **reduction_phases(stats, s, step, states, acts, held),
+              "optimizer": optimizer_phase(s, step, states)}
     totals = {k: sum(v.values()) for k, v in phases.items()}
-    peak = max(totals, key=totals.__getitem__)
+    peak = max(totals, key=totals.__getitem__)  # the first phase on a tie
     per_rank = {f"{k}_bytes": phases[peak].get(k, 0) for k in CATEGORIES}
     per_rank["total_bytes"] = totals[peak]
-    ranks_per_node = max(1, s.world // s.nodes)
-    host_per_rank += host_acts
-    return Estimate(per_rank=per_rank, peak_phase=peak, phases=totals, breakdown=phases, host_bytes=host_per_rank * ranks_per_node,
-                    host_per_rank=host_per_rank, units=units,
-                    trainable_params=lora_p if s.lora else stats.num_params, lora_params=lora_p)
+    host_per_rank = states.host_per_rank + acts.host
+    return Estimate(per_rank=per_rank, peak_phase=peak, phases=totals, breakdown=phases,
+                    host_bytes=host_per_rank * max(1, s.world // s.nodes), host_per_rank=host_per_rank,
+                    units=step.units, trainable_params=states.lora_params if s.lora else stats.num_params,
+                    lora_params=states.lora_params)

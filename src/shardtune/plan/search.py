@@ -212,7 +212,7 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                                   if (lo, q) != (s.lora, s.nf4)] if try_lora else [])
     # Backward schedules: on a GPU overlap (faster) and staggered (one unit less backward memory) both compete.
     schedules = [s.backward_schedule] if s.device_is_cpu else ["overlap", "staggered"]
-    # The chunked loss and the tiled NF4 matmul (issue 21): the recipe's setting, and on when it is off (they cost
+    # The chunked loss and the tiled NF4 matmul: the recipe's setting, and on when it is off (they cost
     # no predicted time: the same matmuls, less dequantization traffic). DPO keeps full logits (no chunking).
     chunks = sorted({s.loss_chunk, s.loss_chunk or DEFAULT_LOSS_CHUNK}) if plan.recipe.train.objective == "sft" \
         else [s.loss_chunk]
