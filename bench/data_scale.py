@@ -71,7 +71,7 @@ BUILD = """
 import json, resource, sys, time
 from shardtune.config.schema import DataConfig, ModelConfig
 from shardtune.data.pipeline import build_data
-from shardtune.model import build_tokenizer
+from shardtune.model.build import build_tokenizer
 tok = build_tokenizer(ModelConfig(tokenizer=sys.argv[2]))
 cfg = DataConfig(path=sys.argv[1], format="instruction", seq_len=512, cache_dir=sys.argv[3])
 t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def train_rss(data: str, out: Path, cache: Path | None, env: dict) -> dict:
         for child in proc.children(recursive=True):
             try:
                 cmd = " ".join(child.cmdline())
-                if "shardtune.worker" not in cmd or "shardtune.agent" in cmd:  # torchrun's agent names it too
+                if "shardtune.trainer.worker" not in cmd or "shardtune.launcher.agent" in cmd:  # torchrun's agent names it too
                     continue
                 status = Path(f"/proc/{child.pid}/status").read_text()
             except (psutil.Error, OSError):

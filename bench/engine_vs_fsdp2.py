@@ -54,7 +54,7 @@ def build(a: argparse.Namespace, backend: str, dtype: torch.dtype):
                             # --vocab-parallel: ours row-shards the tables, FSDP2 makes them units of their own
                             vocab_parallel=a.vocab_parallel)
     sharded = BACKENDS[backend].shard_model(model, policy, device=torch.device("cpu"))
-    # The optimizer train.py builds for host states (build_optimizer: fused on CPU): foreach would add a temporary
+    # The optimizer trainer/train.py builds for host states (build_optimizer: fused on CPU): foreach would add a temporary
     # copy of every shard to the optimizer phase (its _foreach_sqrt), which no training run pays.
     opt = torch.optim.AdamW(sharded.optimizer_param_groups(0.1), lr=1e-4, fused=True)
     return model, sharded, opt
@@ -70,7 +70,7 @@ def batch(a: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor,
 def train_step(a, model, sharded, opt, step: int) -> tuple[float, int]:
     ids, _, total = batch(a, step)
     if a.vocab_parallel:  # the product's defaults: the chunked loss (1024 tokens), on the row-sharded head for ours
-        from shardtune.loss import token_loss_sum
+        from shardtune.engine.loss import token_loss_sum
 
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         logits = None

@@ -31,8 +31,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from shardtune.engine.api import ShardingPolicy
 from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.shard import shard_model
-from shardtune.lora import is_adapter
 from shardtune.memory import CpuMemoryTracker
+from shardtune.model.lora import is_adapter
 
 SETTINGS = {  # name -> (activation checkpointing, cpu offload, lora)
     "base": (False, False, False),

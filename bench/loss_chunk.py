@@ -1,4 +1,4 @@
-"""The fused chunked head + cross-entropy (shardtune/loss.py) vs today's full-logits path: time and peak live bytes
+"""The fused chunked head + cross-entropy (shardtune/engine/loss.py) vs today's full-logits path: time and peak live bytes
 of one forward + backward of the head and the loss, per chunk size (CPU, one thread).
 
     .venv/bin/python bench/loss_chunk.py                  # N=4096 tokens, H=256, V=32000 (~1 min)
@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shardtune.loss import linear_cross_entropy
+from shardtune.engine.loss import linear_cross_entropy
 from shardtune.memory import CpuMemoryTracker
 
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts layer on CPU: forward + backward time of one experts module, per-expert Python loop
-(transformers' `eager` experts) vs grouped matmul (transformers' `grouped_mm`, and ours, experts.py, which also
+(transformers' `eager` experts) vs grouped matmul (transformers' `grouped_mm`, and ours, model/experts.py, which also
 runs LoRA on every expert and NF4 experts), fp32, one process.
 
     python bench/moe_experts.py                                   # Qwen3-MoE-shaped layer, 64 experts, top-8
@@ -20,7 +20,7 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from shardtune.experts import ExpertLora, register_experts_implementation
+from shardtune.model.experts import ExpertLora, register_experts_implementation
 
 
 def layer(args: argparse.Namespace, implementation: str) -> Qwen3MoeExperts:

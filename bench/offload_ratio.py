@@ -16,14 +16,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from shardtune import attention
 from shardtune.bundled import CONFIGS_DIR
+from shardtune.data import packing
 from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.loss import token_loss_sum
 from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import find_units
-from shardtune.loss import token_loss_sum
 from shardtune.memory import CpuMemoryTracker
-from shardtune.tiled_mlp import apply_sequence_chunking
+from shardtune.model import attention
+from shardtune.model.tiled_mlp import apply_sequence_chunking
 
 DOCS = 3  # documents per packed row
 
@@ -47,7 +48,7 @@ def activation_peak(*, layers: int, seq: int, chunk: int, offload: bool, loss_ch
     tracker = CpuMemoryTracker().start()
     base = tracker.live_bytes()
     try:
-        loss = token_loss_sum(model, ids, ids, pos, chunk_tokens=loss_chunk, doc_lengths=attention.doc_lengths(pos))
+        loss = token_loss_sum(model, ids, ids, pos, chunk_tokens=loss_chunk, doc_lengths=packing.doc_lengths(pos))
         loss.backward()
     finally:
         tracker.stop()

@@ -1,4 +1,4 @@
-"""`shardtune plan` vs measured peak memory on CPU, over the validation grid (shardtune/plan/accuracy.py).
+"""`shardtune plan` vs measured peak memory on CPU, over the validation grid (tests/plan_accuracy.py).
 
     .venv/bin/python bench/plan_accuracy.py            # ~13 configurations, world sizes 1/2/4, ~3 min on 2 cores
     .venv/bin/python bench/plan_accuracy.py --qlora    # the separate QLoRA table (6 configurations)
@@ -12,9 +12,13 @@ error) and the worst error. Goal: within +-5 %.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from shardtune.plan.accuracy import default_grid, demo_grid, qlora_grid, run, vocab_grid
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness lives in tests/
+
+from tests.plan_accuracy import default_grid, demo_grid, qlora_grid, run, vocab_grid  # noqa: E402
 
 
 def main() -> None:

@@ -53,9 +53,6 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
   to_host(tensor, dtype, copy=) / item(tensor)   a blocking device-to-host read (zeros on the simulated device)
   copy_to_host(dst, src)             a non-blocking device-to-host copy into a host buffer
   synchronize(device)                wait for all queued device work (no-op on cpu)
-  storage_writer(device, path) / storage_reader(device, path) / load_planner(device)   DCP storage: None (DCP's
-                                     file system, default planner) or, on the simulated device, storage that moves
-                                     no bytes and a planner that keeps meta tensors (simulated/null_storage.py)
 """
 from __future__ import annotations
 
@@ -484,28 +481,3 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     on it before reading `dst`. Simulated: nothing to copy."""
     if not src.is_meta:
         dst.copy_(src, non_blocking=True)
-
-
-# -- checkpoint storage ----------------------------------------------------------------------------------------------
-def storage_writer(device: torch.device, path: str) -> Any:
-    if not is_simulated(device):
-        return None  # DCP's own file system writer
-    from shardtune.simulated.null_storage import NullWriter
-
-    return NullWriter(path)
-
-
-def storage_reader(device: torch.device, path: str) -> Any:
-    if not is_simulated(device):
-        return None
-    from shardtune.simulated.null_storage import NullReader
-
-    return NullReader(path)
-
-
-def load_planner(device: torch.device) -> Any:
-    if not is_simulated(device):
-        return None  # DCP's default
-    from shardtune.simulated.null_storage import NullLoadPlanner
-
-    return NullLoadPlanner()

@@ -2,7 +2,7 @@
 
 The CLI uses it for its own process; each worker too, where only rank 0 prints (every rank raises the same
 warnings: a 2-worker run printed each twice) and another rank's warnings go to its log (file descriptor 2 is
-`<run>/logs/rank_N.log` under our launcher, see worker.py), or nowhere when there is no log.
+`<run>/logs/rank_N.log` under our launcher, see trainer/worker.py), or nowhere when there is no log.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from shardtune.bundled import CONFIGS_DIR
 from shardtune.config.dtypes import DTYPE_NAMES
 from shardtune.config.schema import EngineConfig, LoraConfig, Recipe
 from shardtune.engine.api import ShardingPolicy, default_no_weight_decay
-from shardtune.parallelize import sharding_policy
+from shardtune.trainer.parallelize import sharding_policy
 
 MODELS = ("tiny-llama", "tiny-qwen2")
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from shardtune import runtime
+from tests import ranks
 
 
 class RankFailure(RuntimeError):
@@ -48,8 +47,8 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., None]
         dist.destroy_process_group()
 
 
-# What the forkserver imports once per pytest process (runtime.start_local_ranks), beyond the product's list.
-PRELOAD = [*runtime.PRELOAD, "transformers.models.qwen2.modeling_qwen2", "peft", "shardtune.engine.shard",
+# What the forkserver imports once per pytest process (tests/ranks.py), beyond the product's list.
+PRELOAD = [*ranks.PRELOAD, "transformers.models.qwen2.modeling_qwen2", "peft", "shardtune.engine.shard",
            "tests.distributed.common"]
 
 
@@ -62,4 +61,4 @@ def run_distributed(fn: Callable[..., None], world_size: int, settings: list[dic
 
 def start_ranks(entry: Callable[..., None], args: tuple, nprocs: int) -> None:
     """`entry(rank, *args)` in `nprocs` processes forked from the preloaded server; raises if any rank fails."""
-    runtime.start_local_ranks(entry, args, nprocs, preload=PRELOAD)
+    ranks.start_local_ranks(entry, args, nprocs, preload=PRELOAD)

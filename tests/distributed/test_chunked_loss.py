@@ -16,9 +16,9 @@ from tests.distributed.test_qlora import block_linears, reference_nf4
 
 from shardtune.engine import shard as shardtune_backend
 from shardtune.engine import torch_backend
+from shardtune.engine.loss import supports_chunked_loss, token_loss_sum
 from shardtune.engine.nf4_linear import TiledNF4Tensor
-from shardtune.lora import apply_lora
-from shardtune.loss import supports_chunked_loss, token_loss_sum
+from shardtune.model.lora import apply_lora
 
 NUM_STEPS = 8
 CHUNK = 5  # tokens per chunk: does not divide a rank's 2*16 tokens

@@ -26,14 +26,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.checkpoint.manager import CheckpointManager, load
 from shardtune.config.load import load_recipe
-from shardtune.decode import greedy_decode
-from shardtune.engine.fingerprint import MIN_CHUNK
 from shardtune.engine.shard import shard_model
 from shardtune.errors import UserError
-from shardtune.loading import build_empty, checkpoint_key, load_into_shards
 from shardtune.memory import CpuMemoryTracker
-from shardtune.model import build_model as build_recipe_model
-from shardtune.parallelize import parallelize
+from shardtune.model.build import build_model as build_recipe_model
+from shardtune.model.fingerprint import MIN_CHUNK
+from shardtune.model.loading import build_empty, checkpoint_key, load_into_shards
+from shardtune.trainer.decode import greedy_decode
+from shardtune.trainer.parallelize import parallelize
 
 CPU = torch.device("cpu")
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tests.distributed.harness import grid, run_distributed
 
 from shardtune.config.load import load_recipe
-from shardtune.train import resume, save_checkpoint, setup, train_step
+from shardtune.trainer.train import resume, save_checkpoint, setup, train_step
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3

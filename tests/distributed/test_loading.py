@@ -12,8 +12,8 @@ from tests.distributed.harness import grid, run_distributed
 from transformers import AutoModelForCausalLM
 
 from shardtune.engine.shard import shard_model
-from shardtune.loading import build_empty, load_into_shards
 from shardtune.memory import CpuMemoryTracker
+from shardtune.model.loading import build_empty, load_into_shards
 
 
 def _load(root: str, sharded_files: bool) -> None:

@@ -25,8 +25,8 @@ from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.engine.api import ShardingPolicy
 from shardtune.engine.shard import shard_model
 from shardtune.engine.unit import ShardState
-from shardtune.export import save_final
-from shardtune.lora import apply_lora, is_adapter
+from shardtune.model.lora import apply_lora, is_adapter
+from shardtune.trainer.export import save_final
 
 NUM_STEPS = 6
 LORA = LoraConfig(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])

@@ -8,8 +8,8 @@ from tests.distributed.harness import run_distributed
 
 from shardtune.config import load_recipe
 from shardtune.data import GlobalBatches, build_data
-from shardtune.evaluate import token_loss_sum
-from shardtune.model import build_model, build_tokenizer
+from shardtune.model.build import build_model, build_tokenizer
+from shardtune.trainer.evaluate import token_loss_sum
 
 OVERRIDES = ["data.num_samples=200", "data.seq_len=32", "train.micro_batch_size=2", "model.attn_implementation=eager"]
 
@@ -20,7 +20,7 @@ def grads_after_one_step(world: int, accum: int, rank: int, backend: str | None)
     data = build_data(recipe.data, tok, seed=0)
     model = build_model(recipe.model, seed=0)
     if backend is not None:  # wrap only; the hooks do the rest (gradients summed over ranks)
-        from shardtune.parallelize import parallelize
+        from shardtune.trainer.parallelize import parallelize
 
         recipe.engine.backend = backend
         parallelize(model, recipe, device=torch.device("cpu"), world_size=world)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tests.distributed.harness import run_distributed
 
 from shardtune.config.load import load_recipe
-from shardtune.train import setup, train_step
+from shardtune.trainer.train import setup, train_step
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8

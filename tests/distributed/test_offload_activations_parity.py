@@ -1,6 +1,6 @@
 """engine.offload_activations on 2 ranks: full fine-tuning, LoRA and QLoRA on our engine (with and without
 cpu_offload) and on FSDP2, 8 steps each, against one process running plain activation checkpointing: per-step loss
-within 1e-5 relative (fp32). And the per-document attention (attention.py) on packed rows, full / LoRA / QLoRA on 2
+within 1e-5 relative (fp32). And the per-document attention (model/attention.py) on packed rows, full / LoRA / QLoRA on 2
 ranks against one process. One spawn for the whole grid."""
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ from tests.distributed.harness import run_distributed
 from tests.distributed.test_chunked_loss import _model, _steps, nf4_reference_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune import attention
 from shardtune.bundled import CONFIGS_DIR
+from shardtune.data import packing
 from shardtune.data.formats import IGNORE
 from shardtune.engine import shard as shardtune_backend
 from shardtune.engine import torch_backend
 from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.loss import token_loss_sum
 from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import resolve_unit_classes
-from shardtune.lora import is_adapter
-from shardtune.loss import token_loss_sum
+from shardtune.model import attention
+from shardtune.model.lora import is_adapter
 
 CPU = torch.device("cpu")
 
@@ -74,7 +75,7 @@ def _document_model(name: str):
 def _packed_steps(model, sharded, opt, steps: int = 4) -> list[float]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded is not None else (0, 1)
     pos = torch.cat([torch.arange(n) for n in DOCS]).expand(4, -1)
-    lengths = attention.doc_lengths(pos.numpy())
+    lengths = packing.doc_lengths(pos.numpy())
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)

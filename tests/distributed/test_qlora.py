@@ -35,10 +35,10 @@ from transformers import AutoModelForCausalLM
 from shardtune.engine.nf4_layout import scaler_block
 from shardtune.engine.quantized import QuantizedFlat
 from shardtune.engine.shard import shard_model
-from shardtune.loading import build_empty, load_into_shards
-from shardtune.lora import apply_lora, is_adapter
 from shardtune.memory import CpuMemoryTracker
-from shardtune.parallelize import materialize_adapters
+from shardtune.model.loading import build_empty, load_into_shards
+from shardtune.model.lora import apply_lora, is_adapter
+from shardtune.trainer.parallelize import materialize_adapters
 
 NUM_STEPS = 8
 

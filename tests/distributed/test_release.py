@@ -35,9 +35,9 @@ def _worker_entry(rank: int, port: int, run_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
-    from shardtune import runtime, train
     from shardtune.config.load import load_recipe
-    from shardtune.worker import run_worker
+    from shardtune.trainer import runtime, train
+    from shardtune.trainer.worker import run_worker
 
     groups = []
 
@@ -57,6 +57,6 @@ def _worker_entry(rank: int, port: int, run_dir: str) -> None:
 
 
 def test_worker_frees_its_process_group(tmp_path) -> None:
-    from shardtune.runtime import free_port
+    from shardtune.trainer.runtime import free_port
 
     start_ranks(_worker_entry, (free_port(), str(tmp_path / "run")), 2)

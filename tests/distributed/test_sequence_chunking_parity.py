@@ -1,4 +1,4 @@
-"""engine.mlp_chunk_tokens (tiled_mlp.py: the MLP, the RMSNorms and the LoRA adapter branches over sequence chunks)
+"""engine.mlp_chunk_tokens (model/tiled_mlp.py: the MLP, the RMSNorms and the LoRA adapter branches over sequence chunks)
 with activation checkpointing and offloaded activations on 2 ranks, on packed rows of three documents through the
 per-document attention, against one process running the plain block: per-step loss within 1e-5 relative (fp32), for
 full fine-tuning, LoRA and QLoRA; and QLoRA on one rank (its NF4 shard aliased as the gathered buffer). Chunks of 6
@@ -18,8 +18,8 @@ from shardtune.engine import shard as shardtune_backend
 from shardtune.engine.checkpointing import apply_activation_checkpointing
 from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import find_units
-from shardtune.lora import is_adapter
-from shardtune.tiled_mlp import apply_sequence_chunking
+from shardtune.model.lora import is_adapter
+from shardtune.model.tiled_mlp import apply_sequence_chunking
 
 CPU = torch.device("cpu")
 CHUNK = 6

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.bundled import CONFIGS_DIR
 from shardtune.engine import shard as shardtune_backend
-from shardtune.loss import token_loss_sum
+from shardtune.engine.loss import token_loss_sum
 
 CHUNK = 5  # tokens per chunk: divides neither a rank's tokens nor the gathered ones
 VOCAB = 131  # prime: 2 and 4 ranks both pad the tables (33 rows per rank at 4: the last rank holds 32)

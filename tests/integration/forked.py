@@ -29,8 +29,8 @@ class Run:
 def train(recipe: str | Path, *overrides: str, world: int = 2) -> Run:
     """`shardtune train RECIPE OVERRIDES` on `world` forked ranks; train.output_dir must be among the overrides."""
     from shardtune.config.load import load_recipe_config, to_recipe
-    from shardtune.launch import prepare_run_dir
-    from shardtune.runtime import free_port
+    from shardtune.launcher.launch import prepare_run_dir
+    from shardtune.trainer.runtime import free_port
 
     cfg = load_recipe_config(str(recipe), [*overrides, f"launch.nproc_per_node={world}"])
     said = io.StringIO()
@@ -56,8 +56,8 @@ def _rank(rank: int, world: int, port: int, recipe_file: str, logs: str) -> None
     import torch
 
     from shardtune.config.load import load_recipe
-    from shardtune.launch import worker_threads
-    from shardtune.worker import run_worker
+    from shardtune.launcher.launch import worker_threads
+    from shardtune.trainer.worker import run_worker
 
     recipe = load_recipe(recipe_file)
     torch.set_num_threads(worker_threads(recipe, world) or 1)  # the launcher's OMP_NUM_THREADS

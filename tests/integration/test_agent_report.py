@@ -1,4 +1,4 @@
-"""The agent (agent.py) as the launcher runs it, on two workers where rank 1 raises and rank 0 is busy: torch's
+"""The agent (launcher/agent.py) as the launcher runs it, on two workers where rank 1 raises and rank 0 is busy: torch's
 agent then stops rank 0 with its own SIGTERM. The report marks that, and the launcher's line blames rank 1."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from shardtune.worker_deaths import EXIT_WORKER_DIED, describe, read_report
+from shardtune.trainer.worker_deaths import EXIT_WORKER_DIED, describe, read_report
 
 WORKER = """
 import os, sys, time
@@ -17,10 +17,10 @@ time.sleep(120)  # rank 0, still busy: stopped by the agent
 
 
 def test_the_agents_own_sigterm_is_not_blamed(tmp_path):
-    script = tmp_path / "worker.py"
+    script = tmp_path / "trainer/worker.py"
     script.write_text(WORKER)
     report = tmp_path / "failures.json"
-    proc = subprocess.run([sys.executable, "-m", "shardtune.agent", str(report), "--standalone",
+    proc = subprocess.run([sys.executable, "-m", "shardtune.launcher.agent", str(report), "--standalone",
                            "--nproc-per-node=2", str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     by_rank = {f["rank"]: f for f in read_report(report)}

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shardtune.worker_deaths import EXIT_WORKER_DIED
+from shardtune.trainer.worker_deaths import EXIT_WORKER_DIED
 from tests.integration import forked
 from tests.integration.runs import FAST, cli, descendants, losses, metrics, start, wait_for
 
@@ -61,7 +61,7 @@ def test_a_worker_killed_by_sigkill_is_one_line_and_its_checkpoint_resumes(tmp_p
 
 
 def _workers(launcher: int) -> list[int]:
-    return [p for p in descendants(launcher) if "shardtune.worker" in _cmdline(p) and "shardtune.agent" not in _cmdline(p)]
+    return [p for p in descendants(launcher) if "shardtune.trainer.worker" in _cmdline(p) and "shardtune.launcher.agent" not in _cmdline(p)]
 
 
 def test_interrupted_write_leaves_previous_checkpoint_loadable(reference, tmp_path):

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shardtune.config import load_recipe
 from shardtune.data import build_data
 from shardtune.data.batches import num_targets
-from shardtune.evaluate import token_loss_sum
+from shardtune.trainer.evaluate import token_loss_sum
 from tests.integration import forked
 
 SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))

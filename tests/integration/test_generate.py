@@ -9,7 +9,7 @@ import pytest
 
 from shardtune.config.load import load_recipe
 from shardtune.data import build_data
-from shardtune.model import build_tokenizer
+from shardtune.model.build import build_tokenizer
 from tests.integration import forked
 from tests.integration.runs import SHARDTUNE, cli, summary
 
@@ -79,7 +79,7 @@ def test_generate_asks_a_foreign_folder_through_its_chat_template(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardtune.data.templates import CHAT_TEMPLATES
+    from shardtune.templates import CHAT_TEMPLATES
     from tests.integration.test_model_folder import write_checkpoint
 
     folder = tmp_path / "chat-model"

@@ -17,7 +17,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from shardtune.config.load import load_recipe
-from shardtune.model import build_model
+from shardtune.model.build import build_model
 from tests.integration import forked
 from tests.integration.runs import FAST, cli, losses
 
@@ -141,8 +141,8 @@ def test_generate_on_an_adapter_and_a_checkpoint(reference, tmp_path):
     """`generate` on final/ (a PEFT adapter: the base is rebuilt from the run's seed) and on the step-6 checkpoint
     (consolidated first) samples what the base with the adapter merged samples, decoded here by hand with the same
     seed (6 steps have not taught it to answer: greedy would stop at once on EOS), with no warning on stderr."""
-    from shardtune.data.templates import render_prompt
-    from shardtune.model import build_tokenizer
+    from shardtune.model.build import build_tokenizer
+    from shardtune.templates import render_prompt
 
     prompts = ["reverse abcd=", "reverse hello="]
     recipe = load_recipe(reference / "recipe.yaml")

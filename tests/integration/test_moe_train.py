@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardtune.config.load import load_recipe
-from shardtune.model import build_model
+from shardtune.model.build import build_model
 from tests.integration import forked
 from tests.integration.runs import FAST, cli, summary
 

@@ -6,7 +6,7 @@ same; only the launcher topology differs.
 """
 from __future__ import annotations
 
-from shardtune.runtime import free_port
+from shardtune.trainer.runtime import free_port
 from tests.integration.multinode_common import (
     MAX_STEPS,
     assert_same_losses,

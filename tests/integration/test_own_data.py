@@ -13,8 +13,8 @@ import pytest
 from shardtune.config import load_recipe
 from shardtune.data import build_data
 from shardtune.data.formats import IGNORE
-from shardtune.data.templates import render_prompt
-from shardtune.model import build_tokenizer
+from shardtune.model.build import build_tokenizer
+from shardtune.templates import render_prompt
 from tests.integration.runs import cli, metrics
 
 N = 120

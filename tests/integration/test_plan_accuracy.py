@@ -3,11 +3,11 @@ world size 1/2/4 x strategy x precision x micro-batch x seq_len. Each prediction
 contract is +-10 %, but the grid sits within +-1.7 % and the CPU tracker is deterministic, so 5 % catches
 regressions the looser bound would let through.
 
-One spawn per world size runs all its configurations through `shardtune.train.train` (see plan/accuracy.py).
+One spawn per world size runs all its configurations through `shardtune.trainer.train.train` (see tests/plan_accuracy.py).
 """
 from __future__ import annotations
 
-from shardtune.plan.accuracy import (
+from tests.plan_accuracy import (
     DEMO_MICRO_BATCHES,
     DEMO_RECIPES,
     DEMO_STRATEGIES,
@@ -64,6 +64,6 @@ def test_plan_predicts_measured_peak_within_5_percent(tmp_path) -> None:
     print("\n\n".join(tables))
     # Under-prediction (an OOM the plan said would fit) stays within 5 %. Over-prediction within 6 %: the LoRA row
     # "w2 full_shard bf16 mb1 s256 lora" reads +5.3 %: the plan charges every packed row the per-document attention's
-    # second output copy (attention.py), which its peak, with a frozen bf16 o_proj, does not always hold; at seq 8192
+    # second output copy (model/attention.py), which its peak, with a frozen bf16 o_proj, does not always hold; at seq 8192
     # under LoRA it does (-2.1 % with it, -5.2 % without).
     assert all(-0.05 <= r["error"] <= 0.06 for r in rows), "\n\n".join(tables)

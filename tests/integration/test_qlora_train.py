@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from peft import PeftModel
 
 from shardtune.config.load import load_recipe
-from shardtune.model import build_model
+from shardtune.model.build import build_model
 from tests.integration import forked
 from tests.integration.runs import FAST, cli, losses, metrics, summary
 

@@ -64,7 +64,7 @@ def fused_step_placement(out: str) -> None:
     adapters on the GPU (LoRA under offload) must not be a fused one with a host step, and the step tensors
     created for a checkpoint load and set after it follow the kernel's placement."""
     from shardtune.config.schema import TrainConfig
-    from shardtune.train import build_optimizer
+    from shardtune.trainer.train import build_optimizer
 
     adapters = [torch.nn.Parameter(torch.zeros(4, 4, device=SIM)) for _ in range(2)]
 

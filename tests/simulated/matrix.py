@@ -21,15 +21,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from shardtune import accelerator
-from shardtune import train as T
 from shardtune.config.load import load_recipe
 from shardtune.errors import UserError
-from shardtune.evaluate import exact_match
-from shardtune.export import save_final
-from shardtune.runtime import host_max
-from shardtune.signals import StopRequest
 from shardtune.simulated.allocator import AllocatorTracker
 from shardtune.simulated.process_group import new_epoch, set_check_timeout
+from shardtune.trainer import train as T
+from shardtune.trainer.evaluate import exact_match
+from shardtune.trainer.export import save_final
+from shardtune.trainer.runtime import host_max
+from shardtune.trainer.signals import StopRequest
 from tests.simulated.pairwise import Row, all_pairs
 
 FACTORS: dict[str, list[Any]] = {

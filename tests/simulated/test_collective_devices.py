@@ -21,14 +21,13 @@ ON_DEVICE = {
     ("engine/collectives.py", "_post"): "gloo only: the in-place ring runs when the backend is gloo",
     ("engine/collectives.py", "all_to_all_into"): "vocab-parallel logits and their gradient (compute device)",
     ("engine/torch_backend.py", "clip_grad_norm_"): "the squared norm, built with device=the model's device",
-    ("engine/fingerprint.py", "check_same_on_all_ranks"): "checksums built with device=runtime device",
-    ("decode.py", "_all_ended"): "the count of ended rows, summed from the decoded tokens (model's device)",
-    ("evaluate.py", "eval_loss"): "the eval loss sum and target count, built with device=runtime device",
-    ("signals.py", "agreed"): "built with device=runtime device",
-    ("objective.py", "_precompute"): "the DPO reference table, built with device=runtime device",
-    ("objective.py", "_eval_on_device"): "the DPO eval statistics, built with device=runtime device",
-    ("train.py", "train_step"): "the step's loss sum, built with device=runtime device",
-    ("plan/accuracy.py", "_worker"): "CPU only: plan's accuracy runs measure launch.device=cpu runs on gloo",
+    ("model/fingerprint.py", "check_same_on_all_ranks"): "checksums built with device=runtime device",
+    ("trainer/decode.py", "_all_ended"): "the count of ended rows, summed from the decoded tokens (model's device)",
+    ("trainer/evaluate.py", "eval_loss"): "the eval loss sum and target count, built with device=runtime device",
+    ("trainer/signals.py", "agreed"): "built with device=runtime device",
+    ("trainer/objective.py", "_precompute"): "the DPO reference table, built with device=runtime device",
+    ("trainer/objective.py", "_eval_on_device"): "the DPO eval statistics, built with device=runtime device",
+    ("trainer/train.py", "train_step"): "the step's loss sum, built with device=runtime device",
 }
 # (file, function) -> the gloo group it passes on purpose.
 ON_HOST_GROUP = {
@@ -37,8 +36,8 @@ ON_HOST_GROUP = {
     ("data/ranks.py", "prepare_for_ranks"): "dist.new_group(backend='gloo')",
     ("hub.py", "fetch_for_ranks"): "dist.new_group(backend='gloo'): rank 0's download message",
     ("engine/vocab.py", "max_tokens"): "accelerator.host_group(): a token count, host metadata",
-    ("decode.py", "_agreed"): "accelerator.host_group(): token budgets and row counts, host numbers",
-    ("runtime.py", "host_max"): "accelerator.host_group(): a memory tracker's peak, a host number",
+    ("trainer/decode.py", "_agreed"): "accelerator.host_group(): token budgets and row counts, host numbers",
+    ("trainer/runtime.py", "host_max"): "accelerator.host_group(): a memory tracker's peak, a host number",
 }
 
 

@@ -16,11 +16,11 @@ from shardtune.plan.planner import world_of
 from shardtune.plan.simulate import _simulated_world
 
 RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes" / "hardware").glob("*.yaml"))
-STEP_READ = ("to_host", "shardtune.train:train_step")
+STEP_READ = ("to_host", "shardtune.trainer.train:train_step")
 
 
 def _step_syncs(name: str, tmp: Path, *, layers: int) -> list[list[tuple[str, str]]]:
-    from shardtune.train import setup, train_step
+    from shardtune.trainer.train import setup, train_step
 
     base = load_recipe(name)
     config = json.loads(Path(base.model.config).read_text())

@@ -1,4 +1,4 @@
-"""The stream schedule of issue 20's findings 4-6, checked on the simulated GPU's record (schedule.py)."""
+"""The stream schedule of issue 20's findings 4-6, checked on the simulated GPU's record (trainer/schedule.py)."""
 from __future__ import annotations
 
 from tests.simulated import schedule

@@ -3,7 +3,7 @@
 non_blocking), a full device sync. A step has one: its read of the loss and the norm, after which the optimizer
 and the next step's work are queued without waiting; the next step's batch is already on its way (prefetched
 before the read). transformers' packed-sequence check (a `.all()` per forward on position_ids) is not run: the
-per-document attention registers no mask function (attention_mask.py)."""
+per-document attention registers no mask function (model/attention_mask.py)."""
 from __future__ import annotations
 
 import tempfile
@@ -14,7 +14,7 @@ from shardtune import accelerator
 from shardtune.config.load import load_recipe
 from shardtune.plan.simulate import _simulated_world
 
-STEP_READ = ("to_host", "shardtune.train:train_step")
+STEP_READ = ("to_host", "shardtune.trainer.train:train_step")
 
 
 @pytest.mark.parametrize("recipe,overrides", [
@@ -24,7 +24,7 @@ STEP_READ = ("to_host", "shardtune.train:train_step")
     ("tiny-dpo-cpu", ["dpo.precompute_reference=true"]),  # the reference log-probs copied per micro-step
 ])
 def test_one_host_sync_per_step(recipe: str, overrides: list[str]) -> None:
-    from shardtune.train import setup, train_step
+    from shardtune.trainer.train import setup, train_step
 
     with tempfile.TemporaryDirectory() as tmp, _simulated_world(2, 1):
         recipe = load_recipe(recipe, ["launch.device=cuda", "train.grad_accum=3", "train.micro_batch_size=2",

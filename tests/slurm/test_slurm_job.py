@@ -57,7 +57,7 @@ def test_sbatch_job_matches_local_run(slurm_cluster, tmp_path_factory):
 def test_train_inside_srun_finds_nodes_and_rendezvous(slurm_cluster, tmp_path):
     """`srun shardtune train` needs no launch flags: SLURM's step variables become nnodes + rendezvous (and, with
     restarts on, the address each node's torchrun advertises: its NodeAddr)."""
-    code = ("import os; from shardtune.config.load import load_recipe_config; from shardtune.slurm import "
+    code = ("import os; from shardtune.config.load import load_recipe_config; from shardtune.launcher.slurm import "
             "apply_allocation; c = apply_allocation(load_recipe_config('tiny-cpu', ['launch.max_restarts=1'])).launch; "
             "print(c.nnodes, c.rdzv_endpoint, os.environ['SLURM_JOB_ID'], c.local_addr)")
     proc = slurm_cluster.run(["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-c", code], cwd=tmp_path)
@@ -182,6 +182,6 @@ def _workers_of(run: Path) -> list[int]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, ValueError):
             continue
-        if "shardtune.worker" in cmd and "shardtune.agent" not in cmd and str(run) in cmd:
+        if "shardtune.trainer.worker" in cmd and "shardtune.launcher.agent" not in cmd and str(run) in cmd:
             found.append(int(proc.name))
     return sorted(found)

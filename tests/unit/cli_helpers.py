@@ -7,7 +7,7 @@ import pytest
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    from shardtune.cli import main
+    from shardtune.launcher.cli import main
 
     old = sys.argv
     sys.argv = ["shardtune", *argv]

@@ -1,4 +1,4 @@
-"""Per-document attention (attention.py): packed rows behave as their documents alone, with no s x s tensor."""
+"""Per-document attention (model/attention.py): packed rows behave as their documents alone, with no s x s tensor."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,12 +6,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtune.attention import NAME, doc_lengths
-from shardtune.attention_mask import generation_attention
 from shardtune.config.schema import ModelConfig
 from shardtune.data.formats import IGNORE
-from shardtune.loss import token_loss_sum
-from shardtune.model import build_model
+from shardtune.data.packing import doc_lengths
+from shardtune.engine.loss import token_loss_sum
+from shardtune.model.attention import NAME
+from shardtune.model.attention_mask import generation_attention
+from shardtune.model.build import build_model
 
 DOCS = (5, 11, 3, 9)  # one packed row of 28 tokens
 

@@ -11,11 +11,11 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from shardtune.config.schema import LoraConfig, ModelConfig
 from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.loss import token_loss_sum
 from shardtune.engine.wrap import find_units
-from shardtune.lora import apply_lora
-from shardtune.loss import token_loss_sum
-from shardtune.model import build_model
-from shardtune.tiled_mlp import apply_sequence_chunking
+from shardtune.model.build import build_model
+from shardtune.model.lora import apply_lora
+from shardtune.model.tiled_mlp import apply_sequence_chunking
 
 SEQ, CHUNK, HIDDEN = 96, 40, 64  # tiny-llama's hidden size; 40 does not divide 2 x 96
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.main import get_command
 
-from shardtune.cli import app
+from shardtune.launcher.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = get_command(app).commands  # name -> click command, as `shardtune --help` lists them

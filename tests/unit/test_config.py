@@ -61,7 +61,7 @@ EXPECTED_SECTIONS = {"description", "model", "lora", "engine", "data", "train", 
 
 
 def test_public_surface_snapshot():
-    from shardtune.cli import app
+    from shardtune.launcher.cli import app
 
     names = {c.name or c.callback.__name__ for c in app.registered_commands}
     assert EXPECTED_COMMANDS <= names

@@ -15,7 +15,7 @@ from shardtune.data.batches import num_targets
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.formats import IGNORE, encode_row
 from shardtune.data.packing import pack
-from shardtune.model import load_config
+from shardtune.model.build import load_config
 
 TOK = build_char_tokenizer()
 

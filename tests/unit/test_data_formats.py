@@ -12,10 +12,10 @@ from shardtune.data import build_data
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import IGNORE, encode_row, to_messages
-from shardtune.data.templates import render_prompt
 from shardtune.errors import UserError
-from shardtune.evaluate import demo_samples
-from shardtune.model import build_tokenizer
+from shardtune.model.build import build_tokenizer
+from shardtune.templates import render_prompt
+from shardtune.trainer.evaluate import demo_samples
 
 TOK = build_char_tokenizer()
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},

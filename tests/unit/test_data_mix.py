@@ -13,7 +13,7 @@ from shardtune.data import GlobalBatches, build_data
 from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.mix import MixedRows, apportion
 from shardtune.errors import UserError
-from shardtune.train import steps_for
+from shardtune.trainer.train import steps_for
 
 TOK = build_char_tokenizer()
 

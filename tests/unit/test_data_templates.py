@@ -1,10 +1,10 @@
-"""Prompt and chat templates (data/templates.py): what the model is trained on and later asked with."""
+"""Prompt and chat templates (templates.py): what the model is trained on and later asked with."""
 from __future__ import annotations
 
 import pytest
 
 from shardtune.data.char_tokenizer import build_char_tokenizer
-from shardtune.data.templates import (
+from shardtune.templates import (
     PROMPT_TEMPLATES,
     chat_template_source,
     check_prompt_template,

@@ -1,4 +1,4 @@
-"""Greedy decoding (decode.py): transformers' greedy tokens on a real device; on the simulated GPU, whose host reads
+"""Greedy decoding (trainer/decode.py): transformers' greedy tokens on a real device; on the simulated GPU, whose host reads
 are zeros, at most max_new_tokens forwards (transformers' `generate` would loop for good there)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from shardtune import accelerator
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import ModelConfig
-from shardtune.decode import greedy_decode
-from shardtune.model import build_model
+from shardtune.model.build import build_model
 from shardtune.plan.simulate import _simulated_world
+from shardtune.trainer.decode import greedy_decode
 
 
 def _tiny():
@@ -45,8 +45,8 @@ def test_all_rows_ending_stops_early():
 def test_demo_eval_on_the_simulated_gpu_is_bounded_by_max_new_tokens():
     """exact_match through the trainer's model on the simulated GPU: every early-stop read says "not ended" (0),
     so decoding runs to its budget and stops there; one forward per token, one read per token and the output's."""
-    from shardtune.evaluate import exact_match
-    from shardtune.train import setup
+    from shardtune.trainer.evaluate import exact_match
+    from shardtune.trainer.train import setup
 
     samples = [{"prompt": "abc", "response": "cba"}, {"prompt": "hello", "response": "olleh"}]
     with tempfile.TemporaryDirectory() as tmp, _simulated_world(1, 1):
@@ -55,8 +55,8 @@ def test_demo_eval_on_the_simulated_gpu_is_bounded_by_max_new_tokens():
         run.model.register_forward_hook(lambda *_: forwards.append(1))
         accelerator.TRACE.clear()
         assert exact_match(run.model, run.tok, samples, run.rt, max_new_tokens=7) == 0.0  # zeros decode to ""
-        reads = [s for s in accelerator.host_syncs() if s[1].startswith(("shardtune.decode", "shardtune.evaluate"))]
+        reads = [s for s in accelerator.host_syncs() if s[1].startswith(("shardtune.trainer.decode", "shardtune.trainer.evaluate"))]
         assert len(forwards) == 7
-        early_stop, output = ("to_host", "shardtune.decode:_all_ended"), ("to_host", "shardtune.evaluate:exact_match")
+        early_stop, output = ("to_host", "shardtune.trainer.decode:_all_ended"), ("to_host", "shardtune.trainer.evaluate:exact_match")
         assert reads == [early_stop] * 6 + [output]
         assert run.model.config._attn_implementation == "shardtune_sdpa"  # the training attention is back

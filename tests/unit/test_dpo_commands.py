@@ -46,7 +46,7 @@ def test_a_resumed_reference_table_of_other_pairs_is_refused(tmp_path):
     import numpy as np
 
     from shardtune.errors import UserError
-    from shardtune.objective import REFERENCE_FILE, DpoObjective
+    from shardtune.trainer.objective import REFERENCE_FILE, DpoObjective
 
     np.savez(tmp_path / REFERENCE_FILE, train=np.zeros((10, 2)), eval=np.zeros((2, 2)))
     obj = DpoObjective.__new__(DpoObjective)  # only what the resume path reads

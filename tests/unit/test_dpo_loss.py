@@ -17,8 +17,8 @@ import torch
 
 from shardtune.config.schema import ModelConfig
 from shardtune.data.formats import IGNORE
-from shardtune.dpo import pair_losses, sequence_logps
-from shardtune.model import build_model
+from shardtune.model.build import build_model
+from shardtune.trainer.dpo import pair_losses, sequence_logps
 
 trl = pytest.importorskip("trl")
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from shardtune.config.load import load_recipe
-from shardtune.generate import Loaded, Sampling, complete, render, turn_end
-from shardtune.model import build_model, build_tokenizer
-from shardtune.prompt_style import PromptStyle
+from shardtune.launcher.generate import Loaded, Sampling, complete, render, turn_end
+from shardtune.model.build import build_model, build_tokenizer
+from shardtune.model.prompt_style import PromptStyle
 
 
 def loaded(fmt: str, template: str) -> Loaded:

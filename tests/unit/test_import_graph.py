@@ -1,6 +1,7 @@
 """No import circle in the package: every `import` of a shardtune module, at module level or inside a function
 (a lazy import is still a dependency), read from the source with `ast`; imports under `if TYPE_CHECKING:` are
-annotations only and left out. A circle is a strongly connected component of more than one module."""
+annotations only and left out. A circle is a strongly connected component of more than one module. The packages
+are layered (LAYERS): each imports only its own modules and those of the packages below it."""
 from __future__ import annotations
 
 import ast
@@ -91,3 +92,29 @@ def test_the_package_has_no_import_circle() -> None:
     graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert "shardtune.plan.search" in graph["shardtune.plan.planner"]  # lazy and top-level imports both read
     assert circles(graph) == []
+
+
+# The packages from the ground floor up. A module may import its own package and those below it, never one above.
+# "" is the ground floor: shardtune's top-level modules (errors, disk, hub, accelerator, memory, ...).
+LAYERS = ["", "simulated", "config", "data", "model", "engine", "checkpoint", "trainer", "plan", "launcher"]
+
+
+def layer_of(name: str, modules: dict[str, Path]) -> int:
+    parts = name.split(".")
+    package = parts[1] if len(parts) > 2 or (len(parts) == 2 and modules[name].name == "__init__.py") else ""
+    return LAYERS.index(package)
+
+
+def test_every_package_imports_only_downward() -> None:
+    modules = module_names()
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(LAYERS) - {""}  # a new package gets its place in LAYERS
+    upward = sorted(f"{name} -> {dep}" for name, path in modules.items() for dep in imported(name, path, modules)
+                    if layer_of(dep, modules) > layer_of(name, modules))
+    assert upward == []
+
+
+def test_an_upward_import_is_found() -> None:
+    modules = module_names()
+    assert layer_of("shardtune.accelerator", modules) < layer_of("shardtune.launcher.cli", modules)
+    assert layer_of("shardtune.trainer", modules) == LAYERS.index("trainer")

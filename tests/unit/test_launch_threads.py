@@ -8,7 +8,7 @@ import os
 import pytest
 
 from shardtune.config.load import load_recipe
-from shardtune.launch import worker_threads
+from shardtune.launcher.launch import worker_threads
 
 CORES = os.cpu_count() or 2
 
@@ -29,7 +29,7 @@ def test_threads_reach_torch_on_a_gpu_runtime(monkeypatch: pytest.MonkeyPatch) -
     """Inside the worker, launch.threads_per_worker sets torch's pool whatever the device (not only on CPU)."""
     import torch
 
-    from shardtune import runtime
+    from shardtune.trainer import runtime
 
     recipe = load_recipe("recipes/tiny-lora-cpu.yaml", ["launch.threads_per_worker=3"])
     monkeypatch.setattr(runtime.accelerator, "init_process_group", lambda *a, **k: None)

@@ -1,4 +1,4 @@
-"""The chunked head + cross-entropy (loss.py) against today's full-logits path: loss and every gradient."""
+"""The chunked head + cross-entropy (engine/loss.py) against today's full-logits path: loss and every gradient."""
 from __future__ import annotations
 
 import copy
@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.bundled import CONFIGS_DIR
 from shardtune.config.schema import LoraConfig
-from shardtune.lora import apply_lora
-from shardtune.loss import linear_cross_entropy, token_loss_sum
+from shardtune.engine.loss import linear_cross_entropy, token_loss_sum
+from shardtune.model.lora import apply_lora
 
 
 def _model(name: str) -> torch.nn.Module:

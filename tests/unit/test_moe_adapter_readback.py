@@ -8,8 +8,8 @@ import torch
 
 from shardtune.checkpoint.merge import _peft_tensors
 from shardtune.config.schema import LoraConfig
-from shardtune.experts import expert_modules, expert_tensors_from_peft
-from shardtune.lora import apply_lora, is_adapter, lora_config, save_adapter
+from shardtune.model.experts import expert_modules, expert_tensors_from_peft
+from shardtune.model.lora import apply_lora, is_adapter, lora_config, save_adapter
 from tests.unit.test_moe_lora import MOE, build
 
 

@@ -1,4 +1,4 @@
-"""LoRA on fused expert weights (experts.py, moe_checks.py), in process: the grouped forward equals transformers'
+"""LoRA on fused expert weights (model/experts.py, model/moe_checks.py), in process: the grouped forward equals transformers'
 own experts forward; adapters follow peft's per-expert LoRA exactly (a saved adapter loads with
 PeftModel.from_pretrained and gives our logits, and peft's merge gives the same model); targets resolve to what the
 model has, and a target matching nothing is a user error."""
@@ -12,9 +12,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shardtune.bundled import CONFIGS_DIR
 from shardtune.config.schema import LoraConfig
 from shardtune.errors import UserError
-from shardtune.experts import expert_modules, use_grouped_experts
-from shardtune.lora import apply_lora, is_adapter, lora_config, save_adapter
-from shardtune.moe_checks import resolve_targets
+from shardtune.model.experts import expert_modules, use_grouped_experts
+from shardtune.model.lora import apply_lora, is_adapter, lora_config, save_adapter
+from shardtune.model.moe_checks import resolve_targets
 
 MOE = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss")
 
@@ -86,7 +86,7 @@ def test_router_balance_is_transformers_loss_per_row(name):
     layer; two rows: the sum of each row's own loss (what makes it exact under any split of the rows)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from shardtune.router_loss import RouterBalance
+    from shardtune.model.router_loss import RouterBalance
 
     model = build(name)
     balance = RouterBalance(model)

@@ -1,4 +1,4 @@
-"""`shardtune train`'s pre-flight (preflight.py): the plan on the detected hardware before any worker starts."""
+"""`shardtune train`'s pre-flight (launcher/preflight.py): the plan on the detected hardware before any worker starts."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from shardtune import launch, preflight
 from shardtune.config.load import load_recipe_config, to_recipe
+from shardtune.launcher import launch, preflight
 from tests.unit.cli_helpers import run_cli
 
 
@@ -84,12 +84,12 @@ def test_only_the_first_nodes_launcher_prints_the_fitting_line(tmp_path, capsys,
 
 
 def test_workers_do_not_rerun_the_check(monkeypatch, tmp_path):
-    import shardtune.worker
+    import shardtune.trainer.worker
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(shardtune.worker, "run_worker", lambda recipe: 0)
+    monkeypatch.setattr(shardtune.trainer.worker, "run_worker", lambda recipe: 0)
     monkeypatch.setattr(preflight, "preflight", lambda *a, **k: pytest.fail("the worker re-ran the pre-flight"))
     cfg = load_recipe_config("tiny-cpu", [f"train.output_dir={tmp_path}", "hardware.host_ram_gb=0.001"])
     assert launch.launch_train(cfg) == 0

@@ -1,4 +1,4 @@
-"""Rank 0's progress output (progress.py): plain lines every train.log_every steps off a terminal, a live display
+"""Rank 0's progress output (trainer/progress.py): plain lines every train.log_every steps off a terminal, a live display
 replaced by a one-line summary on one."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import re
 
 from shardtune.config.schema import TrainConfig
-from shardtune.progress import make_progress
+from shardtune.trainer.progress import make_progress
 
 
 def _record(step: int, *, eval_every: int = 0, peak: int | None = None) -> dict:
@@ -57,7 +57,7 @@ def test_live_display_leaves_only_a_summary() -> None:
 
 
 def test_export_progress_lines_per_file_only_for_large_exports() -> None:
-    from shardtune.progress import ExportProgress
+    from shardtune.trainer.progress import ExportProgress
 
     out = io.StringIO()
     p = ExportProgress(min_bytes=100, out=out, live=False)

@@ -1,4 +1,4 @@
-"""How generate/chat ask a model (prompt_style.py): chat for chat runs and for DPO on conversations (explicit or
+"""How generate/chat ask a model (model/prompt_style.py): chat for chat runs and for DPO on conversations (explicit or
 implicit prompt), the instruction template or plain text otherwise; a folder's record read back; --system where the
 model has no place for it is left out with a warning."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from shardtune.config.load import load_recipe
 from shardtune.errors import UserError
-from shardtune.generate import Loaded, render
-from shardtune.model import build_tokenizer
-from shardtune.prompt_style import STYLE_FILE, PromptStyle, folder_style, style_of_recipe, write_style
+from shardtune.launcher.generate import Loaded, render
+from shardtune.model.build import build_tokenizer
+from shardtune.model.prompt_style import STYLE_FILE, PromptStyle, folder_style, style_of_recipe, write_style
 
 TURNS = [{"role": "user", "content": "sky?"}, {"role": "assistant", "content": "blue"}]
 WRONG = [{"role": "user", "content": "sky?"}, {"role": "assistant", "content": "green"}]

@@ -1,4 +1,4 @@
-"""One resolved configuration (config/resolve.py): the engine's own defaults are the schema's, and plan derives
+"""One resolved configuration (trainer/resolve.py): the engine's own defaults are the schema's, and plan derives
 its setup from the policy train runs with."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from shardtune.config.load import load_recipe
-from shardtune.config.resolve import resolve_engine
 from shardtune.config.schema import Recipe
 from shardtune.engine.api import BackwardSchedule, ShardingPolicy
 from shardtune.plan.estimate import Setup
+from shardtune.trainer.resolve import resolve_engine
 
 # Filled by resolve_engine from something other than engine.* defaults: the model (wrap), LoRA, or the world.
 NOT_ENGINE_DEFAULTS = {"unit_classes", "min_unit_params", "no_weight_decay", "replicated", "hybrid_shard_size"}

@@ -1,4 +1,4 @@
-"""Resume checks (resume_check.py): `shardtune train` refuses a checkpoint of another model (exit 2, naming the keys)
+"""Resume checks (checkpoint/resume_check.py): `shardtune train` refuses a checkpoint of another model (exit 2, naming the keys)
 or of other data (exit 2 unless train.resume=force), and keeps the global batch at another world size. The
 checkpoint here is its trainer.json alone, as the worker writes it: the launcher decides before any worker starts."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from shardtune.checkpoint.resume_check import fingerprint
 from shardtune.config.load import load_recipe_config, to_recipe
-from shardtune.resume_check import fingerprint
 from tests.unit.cli_helpers import run_cli
 
 BASE = ["data.num_samples=300", "data.seq_len=64", "train.max_steps=6"]
@@ -81,7 +81,7 @@ def test_a_world_that_cannot_keep_the_global_batch_is_exit_2_with_values_that_wo
 
 
 def test_another_world_scales_grad_accum(run_dir):
-    from shardtune.resume_check import check_resume
+    from shardtune.checkpoint.resume_check import check_resume
 
     cfg = load_recipe_config("tiny-cpu", [*BASE, f"train.output_dir={run_dir}", "launch.nproc_per_node=1"])
     out = check_resume(cfg, to_recipe(cfg), 1)
@@ -90,7 +90,7 @@ def test_another_world_scales_grad_accum(run_dir):
 
 
 def test_dpo_settings_are_part_of_the_objective():
-    from shardtune.resume_check import DATA, _changes
+    from shardtune.checkpoint.resume_check import DATA, _changes
 
     def fp(*overrides: str) -> dict:
         return fingerprint(to_recipe(load_recipe_config("tiny-dpo-cpu", list(overrides))), 2)
@@ -105,7 +105,7 @@ def test_only_the_first_node_keeps_the_recipe_history(run_dir, monkeypatch, caps
     shared run directory and prints the notice."""
     from omegaconf import OmegaConf
 
-    from shardtune.resume_check import check_resume
+    from shardtune.checkpoint.resume_check import check_resume
 
     base = [*BASE, f"train.output_dir={run_dir}"]
     OmegaConf.save(load_recipe_config("tiny-cpu", base), run_dir / "recipe.yaml")

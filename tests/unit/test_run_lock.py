@@ -1,4 +1,4 @@
-"""One live run per run directory (run_lock.py): a live owner refuses, a dead one on this host is taken over, the
+"""One live run per run directory (launcher/run_lock.py): a live owner refuses, a dead one on this host is taken over, the
 lock goes with the run. Through the executable: tests/integration/test_checkpoint.py."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from shardtune.errors import UserError
-from shardtune.run_lock import LOCK_FILE, RunLock
+from shardtune.launcher.run_lock import LOCK_FILE, RunLock
 
 
 def test_a_live_owner_refuses_and_the_lock_goes_with_the_run(tmp_path, monkeypatch):

@@ -1,11 +1,11 @@
-"""Our schedules (schedule.py) give transformers' get_scheduler multipliers at every step, and the same state."""
+"""Our schedules (trainer/schedule.py) give transformers' get_scheduler multipliers at every step, and the same state."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import get_scheduler
 
-from shardtune.schedule import build_scheduler
+from shardtune.trainer.schedule import build_scheduler
 
 
 @pytest.mark.parametrize("name", ["cosine", "linear", "constant"])

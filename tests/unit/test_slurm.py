@@ -11,7 +11,7 @@ import torch
 
 from shardtune.config.load import load_recipe, load_recipe_config
 from shardtune.errors import UserError
-from shardtune.slurm import apply_allocation, rendezvous_port
+from shardtune.launcher.slurm import apply_allocation, rendezvous_port
 from tests.unit.cli_helpers import run_cli
 
 
@@ -114,9 +114,9 @@ SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_N
 
 
 def test_train_inside_srun_takes_nodes_and_rendezvous_from_slurm(monkeypatch):
-    import shardtune.slurm
+    import shardtune.launcher.slurm
 
-    monkeypatch.setattr(shardtune.slurm, "head_node_addr", lambda env: "10.1.2.3")
+    monkeypatch.setattr(shardtune.launcher.slurm, "head_node_addr", lambda env: "10.1.2.3")
     cfg = apply_allocation(load_recipe_config("tiny-cpu"), SLURM_STEP)
     assert cfg.launch.nnodes == 2 and cfg.launch.rdzv_endpoint == "10.1.2.3:24242"
     explicit = load_recipe_config("tiny-cpu", ["launch.nnodes=2", "launch.rdzv_endpoint=h:1"])
@@ -128,12 +128,12 @@ def test_train_inside_srun_takes_nodes_and_rendezvous_from_slurm(monkeypatch):
 
 
 def test_restarts_inside_srun_host_the_store_at_this_nodes_slurm_address(monkeypatch):
-    import shardtune.slurm
+    import shardtune.launcher.slurm
     from shardtune.config.load import to_recipe
-    from shardtune.launch import torchrun_command
+    from shardtune.launcher.launch import torchrun_command
 
-    monkeypatch.setattr(shardtune.slurm, "head_node_addr", lambda env: "10.1.2.3")
-    monkeypatch.setattr(shardtune.slurm, "node_addr", {"node2": "10.1.2.4"}.__getitem__)
+    monkeypatch.setattr(shardtune.launcher.slurm, "head_node_addr", lambda env: "10.1.2.3")
+    monkeypatch.setattr(shardtune.launcher.slurm, "node_addr", {"node2": "10.1.2.4"}.__getitem__)
     step = {**SLURM_STEP, "SLURMD_NODENAME": "node2"}
     cfg = apply_allocation(load_recipe_config("tiny-cpu", ["launch.max_restarts=1"]), step)
     assert cfg.launch.local_addr == "10.1.2.4"
@@ -146,8 +146,8 @@ def test_restarts_inside_srun_host_the_store_at_this_nodes_slurm_address(monkeyp
 
 
 def test_hybrid_shard_defaults_to_one_node(monkeypatch):
-    from shardtune.model import build_model
-    from shardtune.parallelize import sharding_policy
+    from shardtune.model.build import build_model
+    from shardtune.trainer.parallelize import sharding_policy
 
     recipe = load_recipe("tiny-cpu", ["engine.strategy=hybrid_shard"])
     model = build_model(recipe.model, seed=0, device=torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""engine.mlp_chunk_tokens (tiled_mlp.py): the same loss and gradients as the whole-sequence MLP (fp32, 1e-5), with
+"""engine.mlp_chunk_tokens (model/tiled_mlp.py): the same loss and gradients as the whole-sequence MLP (fp32, 1e-5), with
 and without activation checkpointing, and the MLP's b·s·i intermediate never created whole."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from shardtune.config.schema import ModelConfig
 from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.loss import token_loss_sum
 from shardtune.engine.wrap import find_units
-from shardtune.loss import token_loss_sum
-from shardtune.model import build_model
-from shardtune.tiled_mlp import apply_mlp_chunking
+from shardtune.model.build import build_model
+from shardtune.model.tiled_mlp import apply_mlp_chunking
 
 SEQ, CHUNK, INTERMEDIATE = 96, 40, 344  # tiny-llama's MLP width; 40 does not divide 2 x 96
 

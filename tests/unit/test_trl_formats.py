@@ -13,7 +13,7 @@ from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import IGNORE, encode_batch
 from shardtune.data.pair_encoding import encode_pair, split_shared_prompt
-from shardtune.data.templates import CHAT_TEMPLATES
+from shardtune.templates import CHAT_TEMPLATES
 from tests.unit.cli_helpers import run_cli
 
 trl_data = pytest.importorskip("trl.data_utils")

@@ -1,10 +1,10 @@
-"""How the launcher words a worker's death (worker_deaths.py), from the agent's report and the ranks' logs. The real
+"""How the launcher words a worker's death (trainer/worker_deaths.py), from the agent's report and the ranks' logs. The real
 SIGKILL through the CLI: tests/integration/test_checkpoint.py."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.worker_deaths import EXIT_WORKER_DIED, describe, rank_log
+from shardtune.trainer.worker_deaths import EXIT_WORKER_DIED, describe, rank_log
 
 PEER_LOST = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: [pair.cc:553] "
              "Connection closed by peer [127.0.0.1]:22164\n")
@@ -66,13 +66,13 @@ def test_the_agent_ends_in_one_line_when_the_rendezvous_host_is_gone(tmp_path, m
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-    from shardtune import agent
+    from shardtune.launcher import agent
 
     def lost(_args):
         raise RendezvousConnectionError("The connection to the C10d store has failed.")
 
     monkeypatch.setattr(torchrun, "run", lost)
-    code = agent.main([str(tmp_path / "failures.json"), "--nproc-per-node=1", "--standalone", "-m", "shardtune.worker"])
+    code = agent.main([str(tmp_path / "failures.json"), "--nproc-per-node=1", "--standalone", "-m", "shardtune.trainer.worker"])
     err = capsys.readouterr().err
     assert code == 1 and not (tmp_path / "failures.json").exists()
     assert err.count("\n") == 1 and "rendezvous host" in err and "Traceback" not in err

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from shardtune.checkpoint.paths import TRAINER_FILE, latest_checkpoint
 from shardtune.checkpoint.writer import write_safetensors
 from shardtune.errors import UserError
-from shardtune.lora import ADAPTER_WEIGHTS, save_adapter
+from shardtune.model.lora import ADAPTER_WEIGHTS, save_adapter
 
 
 def _read_tensor(ckpt: Path, key: str, meta: TensorStorageMetadata) -> torch.Tensor:

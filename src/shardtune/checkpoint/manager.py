@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from shardtune import accelerator
+from shardtune.checkpoint import storage
 from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, is_complete, newest_complete
 from shardtune.disk import disk_full, nearly_full, no_space_line, write_text_atomic
 
@@ -68,7 +69,7 @@ def _barrier() -> None:
 
 def find_resume_dir(output_dir: Path, resume: str, *, is_main: bool) -> Path | None:
     """`auto`/`force`: the newest complete checkpoint in output_dir (None if there is none); `none`: None; else a
-    path. (`force` differs only in the launcher's checks: resume_check.py.)"""
+    path. (`force` differs only in the launcher's checks: checkpoint/resume_check.py.)"""
     if resume not in ("auto", "force"):
         return explicit_resume_dir(resume)  # None for "none"
     root = output_dir / "checkpoints"
@@ -83,7 +84,7 @@ class CheckpointManager:
     def __init__(self, output_dir: Path, *, keep_last: int, is_main: bool, rank: int,
                  device: torch.device = torch.device("cpu")) -> None:
         self.root = output_dir / "checkpoints"
-        self.device = device  # the compute device: which DCP storage (accelerator.storage_writer)
+        self.device = device  # the compute device: which DCP storage (storage.storage_writer)
         self.keep_last = keep_last
         self.is_main = is_main
         self.rank = rank
@@ -99,7 +100,7 @@ class CheckpointManager:
         _barrier()
         ok, err = True, ""
         try:
-            writer = storage_writer or accelerator.storage_writer(self.device, str(tmp))
+            writer = storage_writer or storage.storage_writer(self.device, str(tmp))
             dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer, process_group=accelerator.host_group())
             torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
             if self.is_main:
@@ -144,8 +145,8 @@ def load(ckpt: Path, state: dict[str, Any], scheduler: Any, *, rank: int, world_
          device: torch.device = torch.device("cpu")) -> int:
     """Collective. Fills `state` in place, restores the scheduler and (same world size) RNG; returns the step."""
     info = json.loads((ckpt / TRAINER_FILE).read_text())
-    dcp.load(state, checkpoint_id=str(ckpt), storage_reader=accelerator.storage_reader(device, str(ckpt)),
-             planner=accelerator.load_planner(device), process_group=accelerator.host_group())
+    dcp.load(state, checkpoint_id=str(ckpt), storage_reader=storage.storage_reader(device, str(ckpt)),
+             planner=storage.load_planner(device), process_group=accelerator.host_group())
     scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
     # load_state_dict restores the scheduler's counter but not the optimizer's current lr: set it, or the first
     # resumed step would run at the lr of step 0.

@@ -24,8 +24,8 @@ from shardtune.checkpoint.paths import TRAINER_FILE
 from shardtune.checkpoint.writer import write_safetensors
 from shardtune.errors import UserError
 from shardtune.hub import WEIGHTS, model_dir
-from shardtune.loading import CheckpointFiles, checkpoint_key
-from shardtune.lora import ADAPTER_WEIGHTS
+from shardtune.model.loading import CheckpointFiles, checkpoint_key
+from shardtune.model.lora import ADAPTER_WEIGHTS
 
 
 def is_adapter_folder(folder: Path) -> bool:
@@ -50,7 +50,7 @@ def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
     adapters = _peft_tensors(ckpt) if final else adapter_tensors(ckpt)  # {parameter name: tensor}
     recipe = _run_recipe(ckpt.parent if final else ckpt.parent.parent)
     experts = {}
-    if getattr(config, "target_parameters", None):  # per-expert adapters of fused expert weights (experts.py)
+    if getattr(config, "target_parameters", None):  # per-expert adapters of fused expert weights (model/experts.py)
         adapters, experts = _expert_deltas(adapters, recipe, config, peft_layout=final)
     deltas = _deltas(adapters) | experts
     with ExitStack() as stack:
@@ -60,7 +60,7 @@ def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
         if p.is_file() and p.name not in ("params.json", "adapter_config.json", ADAPTER_WEIGHTS):
             shutil.copy(p, out / p.name)  # the tokenizer (and a checkpoint's config.json)
     if final:  # an adapter folder holds no config.json: the base's
-        from shardtune.model import load_config
+        from shardtune.model.build import load_config
 
         load_config(recipe.model).save_pretrained(out)
     _generation_config(out)
@@ -92,9 +92,9 @@ def _expert_deltas(adapters: dict[str, torch.Tensor], recipe, config, *, peft_la
     and their storage order. `peft_layout`: final/'s tensors, in peft's target_parameters layout, read back to ours."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.experts import expert_modules, expert_tensors_from_peft, merge_factors
-    from shardtune.loading import build_empty
-    from shardtune.model import load_config
+    from shardtune.model.build import load_config
+    from shardtune.model.experts import expert_modules, expert_tensors_from_peft, merge_factors
+    from shardtune.model.loading import build_empty
 
     model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
     if peft_layout:
@@ -123,7 +123,7 @@ def _base_tensors(recipe, stack: ExitStack) -> Iterator[tuple[str, int, Callable
             itemsize = {"F32": 4, "BF16": 2, "F16": 2}.get(sl.get_dtype(), 4)
             yield key, math.prod(sl.get_shape()) * itemsize, (lambda k=key: files.handle(k).get_tensor(k))
         return
-    from shardtune.model import build_model
+    from shardtune.model.build import build_model
 
     model = build_model(recipe.model, seed=recipe.train.seed)
     tied = set(getattr(model, "_tied_weights_keys", None) or []) if model.config.tie_word_embeddings else set()

@@ -44,7 +44,7 @@ def check_data_config(cfg: DataConfig) -> None:
 
 
 def _check_dataset(values: dict[str, Any], prefix: str) -> None:
-    from shardtune.data.templates import check_prompt_template
+    from shardtune.templates import check_prompt_template
 
     if values["format"] not in FORMATS:
         _fail(f"{prefix}format", f"must be {', '.join(FORMATS[:-1])} or {FORMATS[-1]}, got {values['format']!r}")

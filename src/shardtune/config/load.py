@@ -120,7 +120,7 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
 
 
 def _check_builtin(key: str, value: str) -> None:
-    from shardtune.data.synthetic import names as builtin_names
+    from shardtune.synthetic import names as builtin_names
 
     name = value.split(":", 1)[1]
     known = {"data.path": builtin_names(), "model.tokenizer": ["char"]}.get(key.split("[")[0], [])

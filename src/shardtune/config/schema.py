@@ -37,7 +37,7 @@ class ModelConfig:
         _check(self.attn_implementation in ("sdpa", "eager"), "model.attn_implementation",
                f"must be sdpa or eager, got {self.attn_implementation!r}")
         if self.chat_template is not None:
-            from shardtune.data.templates import chat_template_source
+            from shardtune.templates import chat_template_source
 
             try:
                 chat_template_source(self.chat_template)
@@ -99,7 +99,7 @@ class EngineConfig:
     # unit's recompute (engine/offload_activations.py): -b·s·h per checkpointed unit on the device, the same bytes
     # on the host and twice over PCIe (overlapped). Needs engine.activation_checkpointing.
     offload_activations: bool = False
-    # Each decoder block's MLP runs over chunks of this many tokens of the micro-batch (tiled_mlp.py): its b·s·i
+    # Each decoder block's MLP runs over chunks of this many tokens of the micro-batch (model/tiled_mlp.py): its b·s·i
     # intermediates exist one chunk at a time, for one more MLP forward per step. The block's RMSNorms and LoRA
     # adapter branches (dropout 0) run chunked too: no fp32 copy of a whole b·s·h input. 0 = off (whole sequence).
     mlp_chunk_tokens: int = 0
@@ -220,10 +220,10 @@ class TrainConfig:
     # sft: next-token loss on the targets | dpo: preference pairs (data.format=preference; see the dpo section).
     # With dpo, micro_batch_size counts pairs: each forward runs 2 x micro_batch_size rows (chosen + rejected).
     objective: str = "sft"
-    # Tokens per chunk of the fused head projection + cross-entropy (loss.py): only C*V logits ever exist instead of
+    # Tokens per chunk of the fused head projection + cross-entropy (engine/loss.py): only C*V logits ever exist instead of
     # b*s*V (compute dtype + fp32 + fp32 gradient). 0 = off: full logits in one piece.
     loss_chunk_tokens: int = 1024
-    # Mixtures of experts: weight of the routers' load-balancing loss (router_loss.py: per packed row, so data
+    # Mixtures of experts: weight of the routers' load-balancing loss (model/router_loss.py: per packed row, so data
     # parallelism stays exact), added to the SFT loss. 0 = off (the models' own config value is not used).
     router_aux_loss_coef: float = 0.0
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from shardtune.accelerator import to_device
-from shardtune.attention import DocLengths, doc_lengths
 from shardtune.data.formats import IGNORE
+from shardtune.data.packing import DocLengths, doc_lengths
 
 
 class RowSource(Protocol):
@@ -32,7 +32,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [b, seq_len] int64
     labels: torch.Tensor  # [b, seq_len] int64
     position_ids: torch.Tensor  # [b, seq_len] int64
-    # each row's document lengths, read from the host position ids (attention.py: no device sync to find them)
+    # each row's document lengths, read from the host position ids (model/attention.py: no device sync to find them)
     doc_lengths: DocLengths | None = field(default=None, kw_only=True)
 
     def to(self, device: torch.device) -> MicroBatch:

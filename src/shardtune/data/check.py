@@ -65,7 +65,7 @@ def _head_problems(cfg: DataConfig, sample: Sample) -> list[str]:
 def _samples(cfg: DataConfig) -> list[Sample]:
     path = str(cfg.path)
     if path.startswith("builtin:"):
-        from shardtune.data import synthetic
+        from shardtune import synthetic
 
         rows = synthetic.generate(path.split(":", 1)[1], min(cfg.num_samples, TOKENIZE_ROWS), 0)
         return [Sample(Path(path), list(rows[0]), [(i + 1, r) for i, r in enumerate(rows)], "row")]

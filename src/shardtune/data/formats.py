@@ -17,9 +17,9 @@ if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads file
 
 from shardtune.config.schema import DataConfig
 from shardtune.data.pair_encoding import Encoded, encode_preference
-from shardtune.data.templates import render_prompt
 from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
+from shardtune.templates import render_prompt
 
 
 class _NoLengthWarning(logging.Filter):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shardtune.data.formats import IGNORE
@@ -64,3 +65,18 @@ def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int, pac
         empty = torch.empty(0, seq_len, dtype=torch.long)
         return Rows(empty, empty.clone(), empty.clone(), truncated)
     return Rows(torch.tensor(rows_ids), torch.tensor(rows_labels), torch.tensor(rows_pos), truncated)
+
+
+DocLengths = tuple[tuple[int, ...], ...]  # per row, the lengths of its documents in order (sum = seq_len)
+
+
+def doc_lengths(position_ids: np.ndarray | torch.Tensor) -> DocLengths:
+    """The documents of each row: a new one starts wherever the position id does not continue the previous one
+    (packing restarts them at 0; a row's padding is its own document)."""
+    pos = np.asarray(position_ids)
+    assert pos.ndim == 2, "[rows, seq_len] position ids"
+    rows = []
+    for row in pos:
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(row) != 1) + 1])
+        rows.append(tuple(int(n) for n in np.diff(np.append(starts, len(row)))))
+    return tuple(rows)

@@ -14,8 +14,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from shardtune import synthetic
 from shardtune.config.schema import DataConfig
-from shardtune.data import cache, synthetic
+from shardtune.data import cache
 from shardtune.data.batches import RowSource
 from shardtune.data.build import build_entry, interrupt_between_pieces, warn_truncated
 from shardtune.data.mix import ConcatRows, MixedRows

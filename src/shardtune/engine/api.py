@@ -53,7 +53,7 @@ def default_no_weight_decay(name: str, param: nn.Parameter) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingPolicy:
-    """Defaults are the recipe schema's (config/schema.py EngineConfig); config/resolve.py makes a recipe into a
+    """Defaults are the recipe schema's (config/schema.py EngineConfig); trainer/resolve.py makes a recipe into a
     policy, and tests/unit/test_resolve.py holds the two equal."""
 
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -85,7 +85,7 @@ class ShardingPolicy:
     # The inputs activation checkpointing keeps live in pinned host memory between a unit's forward and its recompute
     # (engine/offload_activations.py; applied with checkpointing, before sharding, by either backend).
     offload_activations: bool = False
-    # Each unit's `mlp` runs over chunks of this many tokens (tiled_mlp.py; a model transform before checkpointing,
+    # Each unit's `mlp` runs over chunks of this many tokens (model/tiled_mlp.py; a model transform before checkpointing,
     # either backend). 0: off.
     mlp_chunk_tokens: int = 0
 

@@ -119,7 +119,7 @@ def supports_chunked_loss(model: nn.Module) -> bool:
 
 def vocab_tables(module: nn.Module) -> list[nn.Parameter]:
     """The tables vocab parallelism shards by rows (engine/vocab.py): the input embedding when it is a plain
-    nn.Embedding, the head when it is a bias-free nn.Linear with nothing between it and the softmax (loss.py's
+    nn.Embedding, the head when it is a bias-free nn.Linear with nothing between it and the softmax (engine/loss.py's
     condition). A tied table qualifies only when both uses do. Frozen or trainable; never a LoRA target."""
     emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
@@ -136,10 +136,10 @@ def _is_replicated(policy: ShardingPolicy, name: str, p: nn.Parameter) -> bool:
 
 
 def _is_quantized(policy: ShardingPolicy, up: UnitParams, entry: Entry) -> bool:
-    """quantize_base: a frozen weight of nn.Linear modules, or a fused 3-D expert weight (experts.py), inside a unit
+    """quantize_base: a frozen weight of nn.Linear modules, or a fused 3-D expert weight (model/experts.py), inside a unit
     (the root stays unquantized), whose shape NF4 takes (whole blocks; per expert, for experts). The rest of the
     unit's frozen params (norms, biases, routers) stay in `frozen`."""
-    from shardtune.experts import expert_weights, is_experts
+    from shardtune.model.experts import expert_weights, is_experts
 
     _, p, locations = entry
     return (policy.quantize_base and not up.is_root and quantizable(p.shape)

@@ -5,7 +5,7 @@ A layer's experts `[E, out, in]` are quantized as one `(E·out) x in` matrix (nf
 the input dim like a Linear's (experts stored transposed, `[E, in, out]`, are quantized as their transpose): expert e
 is rows [e·out, (e+1)·out), whole 64-element blocks, so a run of experts dequantizes on its own with
 `dequantize_rows`. The
-experts' rows of the input are sorted by expert (experts.py); a run's rows are contiguous, so each run is one
+experts' rows of the input are sorted by expert (model/experts.py); a run's rows are contiguous, so each run is one
 grouped matmul over its experts. Runs hold as many experts as `tile_bytes` of the compute dtype allow (at least one):
 one run per layer when the layer's experts fit (the whole layer dequantized: c·E·a·b bytes), else several, never
 more than `tile_bytes` of dequantized weight alive. The weight is frozen: backward computes only the input's
@@ -21,7 +21,7 @@ import torch
 from shardtune import accelerator
 from shardtune.engine.nf4 import NF4Tensor
 from shardtune.engine.nf4_linear import _buffer, block_scalers, dequantize_rows
-from shardtune.experts import balanced_ends, grouped_mm
+from shardtune.model.experts import balanced_ends, grouped_mm
 
 
 class Nf4Experts:

@@ -20,7 +20,6 @@ from shardtune import accelerator
 from shardtune.engine.api import ShardingPolicy, ShardingStrategy, splits_vocab
 from shardtune.engine.clip import scale_grads_, sq_norm
 from shardtune.engine.collectives import all_gather_into, all_reduce_
-from shardtune.engine.fingerprint import check_same_on_all_ranks, checksum
 from shardtune.engine.flat_param import FlatParam
 from shardtune.engine.layout import group_unit_params, replicated_params
 from shardtune.engine.quantized import QuantizedFlat
@@ -29,6 +28,7 @@ from shardtune.engine.replicated import ReplicatedParams
 from shardtune.engine.unit import EngineContext, Unit, group_size
 from shardtune.errors import UserError
 from shardtune.memory import free_storage
+from shardtune.model.fingerprint import check_same_on_all_ranks, checksum
 
 
 def build_groups(strategy: ShardingStrategy, hybrid_shard_size: int | None
@@ -211,7 +211,7 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     unit_params = group_unit_params(module, policy)  # layout.py: shared with `plan`; raises the UserErrors
     _check_master_dtype(unit_params)
     # Each rank cuts its shard from the full model it built: check that all ranks built the same (fingerprint.py).
-    # Meta parameters are filled later (loading.py, seeded_init.py), which check what they fill.
+    # Meta parameters are filled later (model/loading.py, model/seeded_init.py), which check what they fill.
     paths = {id(m): n for n, m in module.named_modules()}
     check_same_on_all_ranks(
         [(_unit_name(paths[id(up.module)]), checksum(p for g in [*(g for g, _, _ in up.flat_groups()), up.vocab]

@@ -14,7 +14,7 @@ Under FSDP every rank has its own batch, so the rows a rank needs for its tokens
   head+loss  all-gather the final hidden states (W·b·s·H) and targets; per chunk of tokens, local logits
              (C x R, fp32), then one all-gather of two numbers per token (the local rows' log-sum-exp, the
              target's logit where it is local) gives the exact log-sum-exp; the gradient is formed at once
-             (softmax - onehot, as loss.py does), its contraction with the local rows is reduce-scattered back to
+             (softmax - onehot, as engine/loss.py does), its contraction with the local rows is reduce-scattered back to
              the tokens' ranks, and the table's gradient stays local (no reduce-scatter).
   logits     (eval without chunking, DPO, generation) the same gather, local logits for all tokens, and one
              all-to-all hands each rank the full V columns of its own tokens; backward reverses it.
@@ -44,7 +44,7 @@ from torch.distributed import ProcessGroup
 from shardtune import accelerator
 from shardtune.data.formats import IGNORE
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_all_into, reduce_scatter_into
-from shardtune.loss import add_outer_fp32
+from shardtune.engine.loss import add_outer_fp32
 
 # shard group -> its last embedding call's count, when every rank had it. Weak keys: a strong one would keep the
 # process group (and gloo's threads) alive past destroy_process_group, into interpreter teardown.
@@ -249,7 +249,7 @@ class _Logits(torch.autograd.Function):
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """loss.py's chunked linear cross-entropy over a row-sharded head: gradients formed in forward, scaled in
+    """engine/loss.py's chunked linear cross-entropy over a row-sharded head: gradients formed in forward, scaled in
     backward. Chunks run over the gathered tokens of the whole shard group (C x R fp32 logits alive)."""
 
     @staticmethod
@@ -263,7 +263,7 @@ class _CrossEntropy(torch.autograd.Function):
         mine_lo, mine_hi = table.rank * n_max, table.rank * n_max + n  # this rank's tokens among the gathered
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h_all = torch.empty_like(h_all) if want_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # summed in fp32 (loss.py)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None  # summed in fp32 (engine/loss.py)
         k = table.num_local
         chunk = chunk_tokens if chunk_tokens > 0 else max(1, h_all.shape[0])
         for start in range(0, h_all.shape[0], chunk):
@@ -306,7 +306,7 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        from shardtune.loss import scale_saved_grads
+        from shardtune.engine.loss import scale_saved_grads
 
         grad_h, grad_w = ctx.saved_tensors
         if grad_w is not None:
@@ -322,7 +322,7 @@ class _CrossEntropy(torch.autograd.Function):
 
 def install(table: VocabTable, embedding: nn.Module | None, head: nn.Module | None) -> None:
     """Route the embedding's and the head's forward to the table (their weight left the modules at shard time).
-    loss.py finds the head's table through `_shardtune_vocab` and computes the chunked loss on it."""
+    engine/loss.py finds the head's table through `_shardtune_vocab` and computes the chunked loss on it."""
     if embedding is not None:
         embedding.forward = table.embed
         embedding._shardtune_vocab = table

@@ -42,7 +42,7 @@ def peak_upper_bound(recipe: Recipe, *, ranks_per_node: int) -> Bound | None:
     b, s = recipe.train.micro_batch_size * (2 if recipe.train.objective == "dpo" else 1), recipe.data.seq_len
     h, q, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size
     states = 32 * param_upper_bound(c)
-    # s² terms only for eager attention (softmax, mask): sdpa runs per document with no mask (attention.py)
+    # s² terms only for eager attention (softmax, mask): sdpa runs per document with no mask (model/attention.py)
     squares = b * s * s * (8 * c.num_attention_heads + 4) if recipe.model.attn_implementation == "eager" else 0
     layer = 4 * b * s * (12 * h + 6 * q + 10 * i) + squares + b * c.num_attention_heads * s * 4
     logits = 6 * 4 * b * s * c.vocab_size

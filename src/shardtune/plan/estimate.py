@@ -78,19 +78,19 @@ class Setup:
     device_is_cpu: bool
     nf4: bool = False  # lora.quantize_base=nf4: the units' frozen Linear weights stored and gathered as NF4 bytes
     backward_schedule: str = "staggered"  # overlap | staggered (engine/unit.py; `auto` resolved by resolve_engine)
-    loss_chunk: int = 0  # train.loss_chunk_tokens (loss.py): tokens per chunk of the fused head + loss; 0: full logits
+    loss_chunk: int = 0  # train.loss_chunk_tokens (engine/loss.py): tokens per chunk of the fused head + loss; 0: full logits
     nf4_tile_bytes: int = 0  # engine.nf4_tile_mb (engine/nf4_linear.py, our backend); 0: torchao's whole weight
     vocab_parallel: bool = False  # engine.vocab_parallel (engine/vocab.py, our backend): tables never gathered
     split_tables: bool = False  # engine.vocab_parallel on FSDP2: the untied embedding and head are units of their own
     shard_adapter_states: bool = False  # engine.shard_adapter_states (engine/replicated.py, our backend)
     backend: str = "shardtune"  # engine.backend: FSDP2 shards the adapters like any parameter (no bucket)
     offload_activations: bool = False  # engine.offload_activations (engine/offload_activations.py)
-    mlp_chunk: int = 0  # engine.mlp_chunk_tokens (tiled_mlp.py): tokens per MLP chunk; 0: the whole sequence
+    mlp_chunk: int = 0  # engine.mlp_chunk_tokens (model/tiled_mlp.py): tokens per MLP chunk; 0: the whole sequence
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
-        """The engine's knobs as train resolves them (config/resolve.py), the rest from the recipe."""
-        from shardtune.config.resolve import resolve_engine
+        """The engine's knobs as train resolves them (trainer/resolve.py), the rest from the recipe."""
+        from shardtune.trainer.resolve import resolve_engine
 
         p = resolve_engine(r, world_size=world, local_world_size=max(1, world // nodes), accelerator=not device_is_cpu)
         ours = r.engine.backend == "shardtune"
@@ -100,7 +100,7 @@ class Setup:
                    micro_batch=rows_per_forward(r), seq_len=r.data.seq_len, grad_accum=r.train.grad_accum,
                    sync_every_microstep=p.sync_every_microstep, prefetch=p.prefetch, packing=r.data.packing,
                    device_is_cpu=device_is_cpu, nf4=p.quantize_base, backward_schedule=p.backward_schedule.value,
-                   # DPO's log-probs take the full logits (dpo.py): the chunked loss is SFT's
+                   # DPO's log-probs take the full logits (trainer/dpo.py): the chunked loss is SFT's
                    loss_chunk=r.train.loss_chunk_tokens if r.train.objective == "sft" else 0,
                    nf4_tile_bytes=p.nf4_tile_bytes, vocab_parallel=p.vocab_parallel and ours,
                    split_tables=p.vocab_parallel and not ours,
@@ -145,16 +145,16 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     c = _size(s.compute)
     bs = b * n
     q_dim = d.num_heads * d.head_dim
-    # sdpa runs one causal call per document (attention.py): no mask, k/v not repeated. eager: HF's (b,1,s,s) mask
+    # sdpa runs one causal call per document (model/attention.py): no mask, k/v not repeated. eager: HF's (b,1,s,s) mask
     # for packed rows, and k/v repeated to every head.
     mask = s.packing and stats.recipe.model.attn_implementation == "eager"
     kv_dim = q_dim if mask else d.num_kv_heads * d.head_dim
     attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
-    # Packed SFT rows, per-document calls (attention.py): each call's output (saved by SDPA) and their concatenation
+    # Packed SFT rows, per-document calls (model/attention.py): each call's output (saved by SDPA) and their concatenation
     # are two tensors. DPO rows are one causal call each.
     if s.packing and not mask and stats.recipe.train.objective == "sft":
         attn += bs * c * q_dim
-    if 0 < s.mlp_chunk < bs:  # tiled_mlp.py: MLP, norms and adapter branches over sequence chunks
+    if 0 < s.mlp_chunk < bs:  # model/tiled_mlp.py: MLP, norms and adapter branches over sequence chunks
         norms, mlp = chunked_norms_mlp_bytes(stats, s)
     elif s.lora:
         norms, mlp = lora_norms_mlp_bytes(stats, s)
@@ -219,13 +219,13 @@ def adapter_sum_bytes(stats: ModelStats, s: Setup) -> int:
 
 def linear_targets(stats: ModelStats) -> list[str]:
     """The Linear names peft adapts, as the engine resolves lora.target_modules (`auto`: q_proj and v_proj)."""
-    from shardtune.moe_checks import resolve_targets
+    from shardtune.model.moe_checks import resolve_targets
 
     return resolve_targets(stats.model, stats.recipe.lora.target_modules).linear
 
 
 def chunked_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
-    """Norms and MLP with engine.mlp_chunk_tokens = C (tiled_mlp.py, chunked_lora.py). Each norm chunk saves a view
+    """Norms and MLP with engine.mlp_chunk_tokens = C (model/tiled_mlp.py, model/chunked_lora.py). Each norm chunk saves a view
     of its input: the unit input (counted apart) and the residual after attention (b·s·h); the two norm outputs are
     saved by their readers: the attention input by q/k/v (their weight grads; under LoRA only when an adapter reads
     it, LoraDelta keeping it in the compute dtype), the MLP input by the MLP chunks. One chunk's MLP set at a time
@@ -258,12 +258,12 @@ def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int,
     matmul). The buffer holds the largest tile of any weight (compute dtype); the transient is the tile's int32 code
     index (2 B/weight of the tile) and the weight's block scalers (c/64 B/weight, computed once per matmul); for a
     weight of several tiles the backward's column slab (the same index, one slab's product, tokens x cols x c, cols
-    capped so that it fits the tile too; an MLP weight sees `mlp_tokens`, one chunk of tiled_mlp.py) or,
+    capped so that it fits the tile too; an MLP weight sees `mlp_tokens`, one chunk of model/tiled_mlp.py) or,
     when rows split blocks, the fp32 input-gradient accumulator (tokens x in x 4) with one row tile's product
     (tokens x in x c)."""
     from shardtune.engine.nf4_linear import cols_per_tile, rows_per_tile
+    from shardtune.model.tiled_mlp import MLP_CHILD
     from shardtune.plan.moe import nf4_experts_bytes
-    from shardtune.tiled_mlp import MLP_CHILD
 
     buf, transient = 0, 0
     for u in units:
@@ -273,7 +273,7 @@ def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int,
                 buf, transient = max(buf, run_buf), max(transient, run_transient)
                 continue
             out_f, in_f = shape
-            n = mlp_tokens if f".{MLP_CHILD}." in f".{name}" else tokens  # the MLP sees one chunk (tiled_mlp.py)
+            n = mlp_tokens if f".{MLP_CHILD}." in f".{name}" else tokens  # the MLP sees one chunk (model/tiled_mlp.py)
             rows = rows_per_tile(out_f, in_f, c, tile)
             cols = cols_per_tile(out_f, in_f, c, tile, n) if rows < out_f else 0
             buf = max(buf, rows * in_f * c, out_f * cols * c)
@@ -290,7 +290,7 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
     """(forward, backward) transient of the loss, on top of the saved activations.
     Full logits: logits (b·s·V, compute dtype), their fp32 flattened shifted copy and log_softmax's output; in
     backward log_softmax's output, its gradient and the gradient of its input (3 fp32 b·(s-1)·V).
-    Chunked (loss.py): one chunk's logits in fp32 (C·V·4; in bf16 also the bf16 logits, then the bf16 gradient:
+    Chunked (engine/loss.py): one chunk's logits in fp32 (C·V·4; in bf16 also the bf16 logits, then the bf16 gradient:
     C·V·2) while the gradients are formed in forward: grad_h (b·s·H, compute dtype) and, when the head trains,
     grad_W (V·H, fp32: summed over the chunks in fp32). Both stay until the backward takes them (scaled in place).
     Vocab-parallel (`vocab_rows` R = ceil(V/W) local rows, engine/vocab.py): the chunks run over the W·b·s gathered
@@ -382,7 +382,7 @@ class StepFacts:
 
 def step_facts(stats: ModelStats, s: Setup) -> StepFacts:
     d, c, W = stats.dims, _size(s.compute), s.shard_size
-    # The frozen base is stored in the compute dtype by our engine (parallelize.py: bf16 shards, no cast before the
+    # The frozen base is stored in the compute dtype by our engine (trainer/parallelize.py: bf16 shards, no cast before the
     # all-gather) and as NF4 bytes under QLoRA; FSDP2 keeps it in the model's dtype and casts it at each all-gather.
     base_dtype = s.compute if s.lora and (s.backend == "shardtune" or s.nf4) else DTYPES[stats.recipe.model.dtype]
     vp = splits_vocab(s.vocab_parallel, shard_size=W)  # as the backends: only with a shard group of 2+ ranks
@@ -582,7 +582,7 @@ def unit_backward_phase(stats: ModelStats, s: Setup, step: StepFacts, states: Mo
     transient = max(2 * bsi, unpermute, adapter_sum_bytes(stats, s))
     # NF4: the MLP backward dequantizes each weight for its input gradient. down_proj's runs before the two b·s·i
     # gradients exist, gate/up's while one of them is being consumed: measured, the peak is the larger of the two
-    # b·s·i grads and the dequantization transient, not their sum (QLoRA table of plan/accuracy.py).
+    # b·s·i grads and the dequantization transient, not their sum (QLoRA table of tests/plan_accuracy.py).
     nf4_extra = max(0, step.dequant - 2 * bsi)
     overlap = s.backward_schedule == "overlap"
     units = []

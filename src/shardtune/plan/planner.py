@@ -38,7 +38,7 @@ def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup
 
 
 def make_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
-    from shardtune.model_limits import check_model_limits
+    from shardtune.plan.model_limits import check_model_limits
 
     r = load_recipe(recipe, overrides or [])
     check_model_limits(r)  # a recipe train would refuse does not "fit"

@@ -49,7 +49,7 @@ def step_time(plan: Plan) -> dict[str, float]:
     flops_tok = (4 * n + 6 * e.lora_params) if s.lora else 6 * n
     if s.checkpointing is not False:
         flops_tok += 2 * n
-        if s.mlp_chunk:  # tiled_mlp.py: each chunk's MLP runs once more, in its own backward
+        if s.mlp_chunk:  # model/tiled_mlp.py: each chunk's MLP runs once more, in its own backward
             flops_tok += 2 * 3 * d.hidden * d.intermediate * d.num_layers
     flops_tok += 6 * d.num_layers * s.seq_len * d.num_heads * d.head_dim
     rate = hw.bf16_tflops * 1e12 * MFU * (1.0 if s.compute.itemsize == 2 else 0.25)

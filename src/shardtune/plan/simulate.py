@@ -136,8 +136,8 @@ class Simulation:
 def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     """Rank 0 of `world` on the fake group (one process: a HashStore, no peers), the simulated host buffers and
     no seeded init; everything restored after."""
-    import shardtune.parallelize as par
-    import shardtune.train as train
+    import shardtune.trainer.parallelize as par
+    import shardtune.trainer.train as train
     from shardtune.data.pipeline import build_data
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(max(1, world // nodes))}
@@ -206,7 +206,7 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     from shardtune.engine.state_dict import init_optimizer_state
     from shardtune.plan.planner import make_plan
     from shardtune.simulated.allocator import AllocatorTracker
-    from shardtune.train import setup, train_step
+    from shardtune.trainer.train import setup, train_step
 
     overrides = list(overrides or [])
     plan = make_plan(recipe_ref, overrides)

@@ -55,7 +55,7 @@ def build_meta_model(cfg: ModelConfig) -> tuple[nn.Module, Dims]:
     raw = skeleton.read_config_json(cfg)
     if raw is not None and skeleton.supported(raw):
         return skeleton.build_skeleton(raw, DTYPES[cfg.dtype]), Dims.from_config(skeleton.config_namespace(raw))
-    from shardtune.model import (  # ~3 s of imports: only where skeleton.py cannot stand in
+    from shardtune.model.build import (  # ~3 s of imports: only where skeleton.py cannot stand in
         from_config,
         load_config,
     )
@@ -118,8 +118,8 @@ class ModelStats:
 
     def expert_adapter_numel(self) -> int:
         """Adapter params on fused expert weights (per expert, every layer)."""
-        from shardtune.experts import expert_weights, in_out, is_experts
-        from shardtune.moe_checks import resolve_targets
+        from shardtune.model.experts import expert_weights, in_out, is_experts
+        from shardtune.model.moe_checks import resolve_targets
 
         lora = self.recipe.lora
         targets = resolve_targets(self.model, lora.target_modules)
@@ -129,8 +129,8 @@ class ModelStats:
     def lora_sizes(self) -> list[int]:
         """Each adapter tensor's numel in named_parameters() order: lora_A (r x in), then lora_B (out x r); an expert
         weight's adapters hold r x (in + out) per expert."""
-        from shardtune.experts import expert_weights, in_out, is_experts
-        from shardtune.moe_checks import resolve_targets
+        from shardtune.model.experts import expert_weights, in_out, is_experts
+        from shardtune.model.moe_checks import resolve_targets
 
         lora = self.recipe.lora
         targets = resolve_targets(self.model, lora.target_modules)

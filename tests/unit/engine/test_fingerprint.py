@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.engine.fingerprint import MIN_CHUNK, checksum
-from shardtune.seeded_init import module_seed
+from shardtune.model.fingerprint import MIN_CHUNK, checksum
+from shardtune.model.seeded_init import module_seed
 
 
 def test_checksum_sees_every_element_and_order() -> None:

@@ -72,8 +72,8 @@ def test_gpt_oss_unit_quantizes_experts_along_input_dim():
     from shardtune.engine.layout import group_unit_params
     from shardtune.engine.quantized import QuantizedFlat
     from shardtune.engine.wrap import resolve_unit_classes
-    from shardtune.experts import in_out
-    from shardtune.lora import apply_lora
+    from shardtune.model.experts import in_out
+    from shardtune.model.lora import apply_lora
 
     model = apply_lora(build("tiny-gpt-oss"), LoraConfig(enabled=True, r=2, target_modules=["q_proj"]))
     policy = ShardingPolicy(unit_classes=resolve_unit_classes(model, "auto"), quantize_base=True)
@@ -103,7 +103,7 @@ def test_qlora_moe_unit_stores_experts_as_nf4():
     from shardtune.engine.api import ShardingPolicy
     from shardtune.engine.layout import unit_layouts
     from shardtune.engine.wrap import resolve_unit_classes
-    from shardtune.lora import apply_lora
+    from shardtune.model.lora import apply_lora
 
     model = apply_lora(build("tiny-qwen3-moe"), LoraConfig(enabled=True, r=2, target_modules=["q_proj"]))
     policy = ShardingPolicy(unit_classes=resolve_unit_classes(model, "auto"), quantize_base=True)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from shardtune.attention import doc_lengths
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import ModelConfig
+from shardtune.data.packing import doc_lengths
 from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.loss import token_loss_sum
 from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.errors import UserError
-from shardtune.loss import token_loss_sum
 from shardtune.memory import CpuMemoryTracker
-from shardtune.model import build_model
+from shardtune.model.build import build_model
 
 SEQ = 256
 

@@ -1,0 +1,45 @@
+"""`shardtune validate`'s checks beyond the schema: the data as training will read it, the model's limits, the
+schedule. Each problem is one line; the command prints them all and exits 2 (a sample of every data file is read,
+so a 1 GB file costs what a small one does)."""
+from __future__ import annotations
+
+from shardtune.config.schema import ModelConfig, Recipe
+from shardtune.errors import UserError
+
+
+def recipe_problems(recipe: Recipe) -> list[str]:
+    from shardtune.data.check import data_problems
+    from shardtune.model.build import build_tokenizer
+    from shardtune.model.moe_checks import model_problems
+    from shardtune.plan.model_limits import seq_len_problem
+    from shardtune.trainer.trackers import tracker_problems
+
+    t = recipe.train
+    problems = tracker_problems(t.report_to)
+    if t.max_steps is not None and t.warmup_steps >= t.max_steps:
+        problems.append(f"train.warmup_steps={t.warmup_steps} >= train.max_steps={t.max_steps}: the learning rate "
+                        "would never leave warmup; lower train.warmup_steps")
+    problems += [p for p in [seq_len_problem(recipe)] if p]
+    try:
+        build_on_meta(recipe.model)
+        problems += model_problems(recipe)
+    except UserError as e:
+        problems.append(str(e))
+    try:
+        tok = build_tokenizer(recipe.model)
+    except UserError as e:
+        return [*problems, str(e)]
+    return problems + [line for p in data_problems(recipe.data, tok) for line in p.splitlines()]
+
+
+def build_on_meta(cfg: ModelConfig) -> None:
+    """Build the model as training will, on the meta device (no memory, ~1 s beyond the imports): a config
+    transformers reads but cannot build from fails here, as one line, not in every rank."""
+    import torch
+
+    from shardtune.config.dtypes import DTYPES
+    from shardtune.model.build import from_config, load_config
+
+    hf_config = load_config(cfg)
+    with torch.device("meta"):
+        from_config(cfg, hf_config, dtype=DTYPES[cfg.dtype])

@@ -1,0 +1,96 @@
+"""Model and tokenizer through Hugging Face: random init from a config, or a local pretrained checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from shardtune.config.dtypes import DTYPES
+from shardtune.config.schema import ModelConfig
+from shardtune.data.char_tokenizer import build_char_tokenizer
+from shardtune.errors import UserError
+from shardtune.hub import CONFIG, TOKENIZER, is_hub_id, model_dir
+from shardtune.model.attention import attn_implementation
+from shardtune.model.loading import build_empty
+from shardtune.model.seeded_init import init_full
+from shardtune.templates import resolve_chat_template
+
+
+def load_config(cfg: ModelConfig) -> PretrainedConfig:
+    source = cfg.config or (model_dir(cfg.path) if cfg.path else None)
+    assert source is not None, "schema guarantees config or path"
+    try:
+        return AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        key = "model.config" if cfg.config else "model.path"
+        raise UserError(f"{key}: cannot read an HF config from '{source}' ({str(e).splitlines()[0][:120]}): "
+                        "point it at a config.json or a checkpoint folder") from None
+
+
+def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu",
+                sharded_init: bool = False) -> PreTrainedModel:
+    """Parameters on the meta device, buffers real, when `parallelize` fills them shard by shard: pretrained (each
+    rank reads only its shard from the files) or `sharded_init` (each rank draws only its shard). Otherwise a full
+    model on `device`. Random init is seeded per module (model/seeded_init.py): the same weights whether drawn whole here
+    or shard by shard at any world size."""
+    hf_config = load_config(cfg)
+    dtype = DTYPES[cfg.dtype]
+    # a hub id's weights are fetched by the trainer (hub.fetch_for_ranks), not by plan or validate
+    if cfg.init == "pretrained" and not is_hub_id(cfg.path) and not any(Path(cfg.path).glob("*.safetensors")):
+        raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
+    model = build_empty(lambda: from_config(cfg, hf_config, dtype=dtype,
+                                            attn=attn_implementation(cfg.attn_implementation)))
+    if cfg.init == "pretrained" or sharded_init:
+        return model
+    init_full(model, seed=seed, dtype=dtype, device=device)
+    return model.to(device)  # the buffers (parameters are there already)
+
+
+def from_config(cfg: ModelConfig, hf_config: PretrainedConfig, *, dtype: torch.dtype,
+                attn: str | None = None) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_config` (`attn`: the attention implementation, default model.attn_implementation).
+    A config transformers cannot build from (an activation it does not know, a missing dimension) fails in the
+    model's constructor: that is the config's fault, one line naming the value."""
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
+                                                attn_implementation=attn or cfg.attn_implementation)
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError, NotImplementedError) as e:
+        if isinstance(e, ValueError) and "attention implementation" in str(e):
+            raise UserError(f"model.attn_implementation: {hf_config.model_type} has no "
+                            f"'{attn or cfg.attn_implementation}' attention in transformers: set "
+                            "model.attn_implementation=eager") from None
+        key = "model.config" if cfg.config else "model.path"
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        named = [f"{k}={v!r}" for k, v in hf_config.to_dict().items()
+                 if isinstance(e, KeyError) and e.args and isinstance(v, str) and v == e.args[0]]
+        what = f"its {', '.join(named)} is unknown to transformers" if named else f"transformers failed ({detail})"
+        raise UserError(f"{key}: cannot build a {getattr(hf_config, 'model_type', '?')} model from "
+                        f"'{cfg.config or cfg.path}': {what}: fix that value in its config.json") from None
+
+
+def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    tok = _load_tokenizer(cfg)
+    tok.chat_template = resolve_chat_template(tok.chat_template, cfg.chat_template)  # model.chat_template wins
+    return tok
+
+
+def _load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    source = cfg.tokenizer or (model_dir(cfg.path, CONFIG + TOKENIZER) if cfg.path else None)
+    if source is None or source == "builtin:char":
+        return build_char_tokenizer()
+    try:
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.tokenizer: cannot load a tokenizer from '{source}' ({str(e).splitlines()[0][:120]}): "
+                        "point it at a local tokenizer folder or tokenizer.json, or use builtin:char") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,72 @@
+"""Greedy decoding on a sharded model, bounded on the host: at most `max_new_tokens` forwards whatever the device
+reads back.
+
+Why not `model.generate`: its loop ends on a host read of the device (`unfinished.max() == 0`, and under
+`synced_gpus` an all-reduced flag). A read that never says "done" (the simulated GPU's reads are zeros) loops for
+good. Here the number of forwards is a Python range; the device is read once per token only to stop early when every
+row of every rank has ended (EOS). Ranks stay in lockstep, as `synced_gpus` keeps them: every forward gathers
+parameters with collectives, so all ranks run the largest `max_new_tokens` of any rank (agreed on the host group,
+a host number) and the same early stop (an all-reduced count); a rank past its own budget decodes and drops.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtune import accelerator
+from shardtune.model.attention_mask import generation_attention
+
+
+@torch.no_grad()
+def greedy_decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                  max_new_tokens: int, pad_token_id: int, eos_token_id: int | None = None,
+                  world_size: int = 1) -> torch.Tensor:
+    """[b, s] prompts (left-padded where `attention_mask` says so) -> [b, s + max_new_tokens] token ids; a row
+    that ended (EOS) is padded with `pad_token_id`. Tokens are those of transformers' greedy `generate`."""
+    from transformers import DynamicCache
+
+    device = input_ids.device
+    b = input_ids.shape[0]
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
+    steps, rows = _agreed(max_new_tokens, b, world_size)
+    cache = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's first token at position 0
+    tokens, step_ids = [], input_ids
+    ended = torch.zeros(b, dtype=torch.bool, device=device)
+    with generation_attention(model):
+        for i in range(steps):
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].float().argmax(-1)
+            nxt = torch.where(ended, torch.full_like(nxt, pad_token_id), nxt)
+            if eos_token_id is not None:
+                ended = ended | (nxt == eos_token_id)
+            if i < max_new_tokens:  # beyond this rank's own budget: forwards for the other ranks' collectives only
+                tokens.append(nxt)
+            step_ids = nxt[:, None]
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+            if eos_token_id is not None and i + 1 < steps and _all_ended(ended, rows, world_size):
+                break
+    new = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(b, 0)
+    return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+
+
+def _agreed(max_new_tokens: int, rows: int, world_size: int) -> tuple[int, int]:
+    """(the largest max_new_tokens, the rows) over the ranks: host numbers, on the host group."""
+    if world_size == 1:
+        return max_new_tokens, rows
+    t = torch.tensor([max_new_tokens, rows], dtype=torch.int64)
+    dist.all_reduce(t[:1], op=dist.ReduceOp.MAX, group=accelerator.host_group())
+    dist.all_reduce(t[1:], group=accelerator.host_group())
+    return int(t[0]), int(t[1])
+
+
+def _all_ended(ended: torch.Tensor, rows: int, world_size: int) -> bool:
+    """Whether every row of every rank has ended (`rows` in all): one host read per token. The simulated GPU reads
+    0: decoding goes on to the budget, as a model that never emits EOS does."""
+    count = ended.sum()
+    if world_size > 1:
+        dist.all_reduce(count)
+    return int(accelerator.to_host(count)) == rows

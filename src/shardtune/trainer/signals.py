@@ -1,0 +1,45 @@
+"""Graceful stop: SIGTERM (torchrun, schedulers), SIGUSR1 (SLURM's warning before preemption) or SIGINT (Ctrl-C)
+asks the worker to finish the current step, save a checkpoint and exit: EXIT_PREEMPTED, or EXIT_INTERRUPTED for
+Ctrl-C (the shell's code for it). The handler only sets a flag; the stop is agreed on by all ranks at a step
+boundary (one all-reduce), because a signal may reach only some of them."""
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: a worker interrupted while importing torch still says so (trainer/worker.py)
+    import torch
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped on request, checkpoint saved: run the same command to resume"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_DIVERGED = 4  # a NaN/inf loss or gradient norm stopped the run (the last good checkpoint stays)
+
+
+def stop_message(signum: int | None, step: int, checkpoint: str) -> tuple[str, int]:
+    """(the line, the exit code) for a run stopped by `signum` after `step` (0: before the first step)."""
+    when = f"after step {step}" if step else "before the first step"
+    if signum == signal.SIGINT:
+        return f"interrupted (Ctrl-C, SIGINT) {when}; checkpoint: {checkpoint}", EXIT_INTERRUPTED
+    name = signal.Signals(signum).name if signum else "a signal"
+    return f"stopped by signal {name} {when}; checkpoint: {checkpoint}", EXIT_PREEMPTED
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def agreed(self, device: torch.device) -> bool:
+        """Collective: True when any rank received a stop signal."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if self.signum is not None else 0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        from shardtune import accelerator
+
+        return bool(accelerator.item(t))
