@@ -17,7 +17,7 @@ time.sleep(120)  # rank 0, still busy: stopped by the agent
 
 
 def test_the_agents_own_sigterm_is_not_blamed(tmp_path):
-    script = tmp_path / "trainer/worker.py"
+    script = tmp_path / "worker.py"
     script.write_text(WORKER)
     report = tmp_path / "failures.json"
     proc = subprocess.run([sys.executable, "-m", "shardtune.launcher.agent", str(report), "--standalone",

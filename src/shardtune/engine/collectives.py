@@ -36,6 +36,16 @@ def _ring_bytes(numel: int, elem_size: int, world: int) -> int:
     return 2 * (world - 1) * numel * elem_size // world
 
 
+def _one_rank(op: str, out: torch.Tensor, src: torch.Tensor, world: int, counter: CommCounter, numel: int) -> bool:
+    """A group of one rank moves nothing: `out` <- `src`, True. Otherwise counts the ring's bytes over `numel`
+    elements (the unsharded side), False."""
+    if world == 1:
+        out.copy_(src)
+        return True
+    counter.add(op, src.dtype, _ring_bytes(numel, src.element_size(), world))
+    return False
+
+
 def _issued(op: str, tensor: torch.Tensor, label: str, work: Any) -> Any:
     """Record the collective on the simulated GPU (on the stream it was issued from) and wrap its work."""
     accelerator.note(tensor.device, op, label)
@@ -47,10 +57,8 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
     """out (1D, numel = W·shard.numel) <- concatenation of every rank's `shard`. Returns the work if async."""
     world = dist.get_world_size(group)
     assert out.numel() == world * shard.numel() and out.dtype == shard.dtype
-    if world == 1:
-        out.copy_(shard)
+    if _one_rank("all_gather", out, shard, world, counter, out.numel()):
         return None
-    counter.add("all_gather", out.dtype, _ring_bytes(out.numel(), out.element_size(), world))
     return _issued("all_gather", out, label, dist.all_gather_single(out, shard, group=group, async_op=async_op))
 
 
@@ -59,10 +67,8 @@ def all_to_all_into(out: torch.Tensor, send: torch.Tensor, group: ProcessGroup, 
     """out (1D) <- chunk r of every rank's `send` (1D, W equal chunks), in rank order. Blocking."""
     world = dist.get_world_size(group)
     assert out.numel() == send.numel() and out.numel() % world == 0 and out.dtype == send.dtype
-    if world == 1:
-        out.copy_(send)
+    if _one_rank("all_to_all", out, send, world, counter, out.numel()):
         return
-    counter.add("all_to_all", out.dtype, _ring_bytes(out.numel(), out.element_size(), world))
     _issued("all_to_all", out, label, dist.all_to_all_single(out, send, group=group))
 
 
@@ -80,10 +86,8 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ProcessGro
     """
     world = dist.get_world_size(group)
     assert full.numel() == world * out.numel() and out.dtype == full.dtype
-    if world == 1:
-        out.copy_(full)
+    if _one_rank("reduce_scatter", out, full, world, counter, full.numel()):
         return None
-    counter.add("reduce_scatter", full.dtype, _ring_bytes(full.numel(), full.element_size(), world))
     if not (ring and full_is_scratch and dist.get_backend(group) == "gloo"):
         return _issued("reduce_scatter", out, label,
                        dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
