@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.data import packing
-from shardtune.data.packing import DocLengths
 from shardtune.model.attention_mask import (  # NAME: the attn_implementation `sdpa` builds
     NAME,
     cached_attention,
@@ -37,7 +36,7 @@ from shardtune.model.attention_mask import (  # NAME: the attn_implementation `s
 
 def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
-                       doc_lengths: DocLengths | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                       doc_lengths: packing.DocLengths | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> ([b, s, heads, d], None), as transformers expects."""
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # a 4-D mask of the caller's, or a KV cache
         return cached_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
