@@ -13,6 +13,10 @@ Why per-document calls, and not the alternatives:
   - per-document SDPA: exact on every device, no compile, s^2-free. Cost: one kernel launch per document per layer
     (and per recompute): a few dozen at long sequences, where each call is large; its output is assembled with one
     copy (b*s*h, the size of the attention output).
+A sliding window (Mistral, Qwen2, Gemma: transformers passes the layer's `sliding_window`, W)
+lets query i see keys i-W+1 .. i. A document no longer than W is plain causal attention; a longer one runs in blocks
+of at most WINDOW_BLOCK queries, each against only the keys its window reaches, under a band bias built once per
+call (`_windowed`): exact, no s x s tensor, compute (block + W) / W times the band's.
 Documents reach the attention as host integers (`doc_lengths`, from the batch's host position ids before the copy
 to the device): reading them from the device position ids would be a device-to-host sync in every forward.
 
@@ -43,21 +47,24 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                                 **kwargs), None
     b, _, s, _ = query.shape
     gqa = key.shape[1] != query.shape[1]
+    window = kwargs.get("sliding_window")  # None on full-attention layers and models without one
     position_ids = kwargs.get("position_ids")
     if doc_lengths is None and position_ids is not None and not position_ids.is_meta:
         # A caller that did not pass its documents: read them from the device (a sync per layer on a GPU; the
         # trainer's and eval's batches carry them). Meta tensors (plan --simulate) have no values: one per row.
         doc_lengths = packing.doc_lengths(position_ids.expand(b, -1).cpu())
-    if doc_lengths is None or all(len(row) == 1 for row in doc_lengths):
+    if (doc_lengths is None or all(len(row) == 1 for row in doc_lengths)) and (window is None or s <= window):
         return _sdpa(query, key, value, scaling, dropout, gqa).transpose(1, 2).contiguous(), None
+    doc_lengths = doc_lengths or [[s]] * b
     assert len(doc_lengths) == b and all(sum(row) == s for row in doc_lengths), "doc_lengths match the batch"
+    band = _Band(window, query) if window is not None and max(map(max, doc_lengths)) > window else None
     rows = []
     for r, lengths in enumerate(doc_lengths):
         parts, start = [], 0
         for n in lengths:
-            sl = slice(start, start + n)
-            parts.append(_sdpa(query[r:r + 1, :, sl], key[r:r + 1, :, sl], value[r:r + 1, :, sl],
-                               scaling, dropout, gqa))
+            q, k, v = (t[r:r + 1, :, start:start + n] for t in (query, key, value))
+            parts.append(_sdpa(q, k, v, scaling, dropout, gqa) if band is None or n <= window
+                         else band.attend(q, k, v, scaling, dropout))
             start += n
         rows.append(parts)
     # [1, heads, n, d] pieces -> [b, s, heads, d]: each piece transposed, concatenated along the sequence
@@ -70,6 +77,42 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | No
     # Looked up at call time (not bound at import): plan --simulate swaps in the fused kernel's meta twin.
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                           enable_gqa=gqa)
+
+
+WINDOW_BLOCK = 1024  # queries per block of a windowed document: the bias is WINDOW_BLOCK x (WINDOW_BLOCK + W - 1)
+
+
+class _Band:
+    """Sliding-window attention over one long document, by query blocks of B = min(W, WINDOW_BLOCK): block [a, a+B)
+    reads keys [a-W+1, a+B), where key j is seen by query i iff i-W < j <= i, that is (in block coordinates
+    ii = i-a, jj = j-(a-W+1)) iff ii <= jj <= ii+W-1: the same band for every block, so one additive bias in the
+    query's dtype serves every block of every document in the call (a boolean mask would be turned into a new bias
+    by each SDPA call, and each kept for backward). The first block starts at key 0: its keys are its own
+    queries, causal. Grouped key/value heads are repeated per block: CUDA's memory-efficient kernel, the one that
+    takes a bias, reads no grouped heads."""
+
+    def __init__(self, window: int, like: torch.Tensor) -> None:
+        self.window, self.block = window, min(window, WINDOW_BLOCK)
+        ii = torch.arange(self.block, device=like.device)[:, None]
+        jj = torch.arange(self.block + window - 1, device=like.device)[None, :]
+        seen = (jj >= ii) & (jj <= ii + window - 1)
+        self.bias = torch.zeros(seen.shape, dtype=like.dtype, device=like.device).masked_fill_(~seen, float("-inf"))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
+               dropout: float) -> torch.Tensor:
+        n, w = q.shape[2], self.window
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        parts = [_sdpa(q[:, :, :self.block], k[:, :, :self.block], v[:, :, :self.block], scaling, dropout, False)]
+        for a in range(self.block, n, self.block):
+            rows, first = min(self.block, n - a), max(0, a - w + 1)  # a block before key W-1 starts at key 0
+            skip = first - (a - w + 1)  # the band's columns for keys before the document
+            parts.append(F.scaled_dot_product_attention(q[:, :, a:a + rows], k[:, :, first:a + rows],
+                                                        v[:, :, first:a + rows],
+                                                        attn_mask=self.bias[:rows, skip:rows + w - 1],
+                                                        dropout_p=dropout, scale=scaling))
+        return torch.cat(parts, dim=2)
 
 
 def register() -> str:

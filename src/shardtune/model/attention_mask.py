@@ -50,7 +50,8 @@ def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         first = (torch.zeros_like(absolute) if position_ids is None
                  else absolute - position_ids.expand(b, -1)[:, :, None])  # [q, 1] or [b, q, 1]
         attention_mask = ((keys <= absolute) & (keys >= first)).expand(b, q, k)[:, None]
-        window = getattr(module, "sliding_window", None)
+        # transformers passes the layer's window (Mistral keeps it on the config only, not on the module)
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         if window is not None:
             attention_mask = attention_mask & (keys > absolute - window)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
