@@ -10,6 +10,7 @@ hold it). Prediction is `plan` on the same recipe. One process group per world s
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -108,7 +109,10 @@ DEMO_SUBSET = [("tiny-cpu", 1, "full_shard", 1), ("tiny-cpu", 8, "shard_grad_op"
 # DPO: one forward of 2 x micro-batch rows (chosen + rejected); full fine-tuning with the reference
 # precomputed before step 1, LoRA with a no-grad adapters-off forward per micro-step. Start DPO at step 1.
 DPO = ("train.objective=dpo", "data.format=preference", "data.path=builtin:prefer-reverse", "dpo.sft_warmup_steps=0",
-       "train.eval_every=0")
+       "train.eval_every=0",
+       # full fine-tuning's reference pass runs over every pair before step 1: 48 pairs (the two steps read at most
+       # 8) keep it a second, where BASE's 300 took ten; the peak does not depend on the count
+       "data.num_samples=48")
 DPO_GRID = [  # world, micro-batch (pairs), seq_len, extra overrides
     (1, 2, 128, ()), (2, 2, 256, ()),
     (1, 2, 128, ("lora.enabled=true", "lora.r=8")), (2, 1, 256, ("lora.enabled=true", "lora.r=8")),
@@ -254,6 +258,9 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
 
     torch.set_num_threads(1)
     init_runtime(load_recipe(*jobs[0]).launch)
+    # What the imports made stays for the process's life: out of the collector's sight, the full collections of
+    # every run's tracker (memory.py) scan only what the runs make (4x faster here). No tensor is alive yet to hide.
+    gc.freeze()
     try:
         for recipe_name, overrides in jobs:
             # Bytes still alive from the previous run in this process (the engine's hooks keep a trained model
