@@ -258,8 +258,8 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]])
 
     torch.set_num_threads(1)
     init_runtime(load_recipe(*jobs[0]).launch)
-    # What the imports made stays for the process's life: out of the collector's sight, the full collections of
-    # every run's tracker (memory.py) scan only what the runs make (4x faster here). No tensor is alive yet to hide.
+    # What init made stays for the process's life: out of the collector's sight (as the imports are, frozen by the
+    # rank server: tests/freeze_heap.py), the full collections of every run's tracker scan only what runs make.
     gc.freeze()
     try:
         for recipe_name, overrides in jobs:

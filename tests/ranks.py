@@ -16,5 +16,5 @@ def start_local_ranks(entry: Callable[..., None], args: tuple, nprocs: int, *, p
     its preload list wins). A spawned rank re-imports torch and transformers, ~5 s, which 4 ranks on 2 cores pay
     at once. The server only imports, no torch op runs there, so no OpenMP pool or CUDA context is forked.
     """
-    mp.set_forkserver_preload(list(preload))
+    mp.set_forkserver_preload([*preload, "tests.freeze_heap"])
     mp.start_processes(entry, args=args, nprocs=nprocs, join=True, start_method="forkserver")
