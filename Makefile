@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
 # Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once):
-# 977 s against 1,423 s in one process on a 2-core machine like CI's (2026-11-27, machine otherwise idle).
+# 793 s on a 2-core machine like CI's (fresh clone, .ci/run, 2026-11-27, machine otherwise idle).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
