@@ -16,7 +16,7 @@ Why per-document calls, and not the alternatives:
 A sliding window (Mistral, Qwen2, Gemma: transformers passes the layer's `sliding_window`, W)
 lets query i see keys i-W+1 .. i. A document no longer than W is plain causal attention; a longer one runs in blocks
 of at most WINDOW_BLOCK queries, each against only the keys its window reaches, under a band bias built once per
-call (`_windowed`): exact, no s x s tensor, compute (block + W) / W times the band's.
+call (`_Band`): exact, no s x s tensor, compute (block + W) / W times the band's.
 Documents reach the attention as host integers (`doc_lengths`, from the batch's host position ids before the copy
 to the device): reading them from the device position ids would be a device-to-host sync in every forward.
 
