@@ -8,3 +8,7 @@ from tests.simulated.harness import run_simulated
 
 def test_table_gradients_copied_without_blocking():
     run_simulated(offload_table_grads.run_checks, 2, [{"names": ["table_gradients_copied_without_blocking"]}])
+
+
+def test_hybrid_table_gradients_reduced_without_blocking():
+    run_simulated(offload_table_grads.run_checks, 4, [{"names": ["hybrid_table_gradients_reduced_without_blocking"]}])

@@ -21,9 +21,12 @@ together, as the trainer does; a rank that steps alone would wait in the all-gat
 rank: gradients and AdamW state 12·N/W bytes instead of 12·N.
 
 Host-resident parameters (the vocabulary tables of a hybrid run under cpu_offload): their gradients arrive on the
-host, so `pending` sums there, and the collective runs on a copy on `device` (the group's: NCCL takes no host
-tensor), copied back to the host after. Cost: one H2D and one blocking D2H of the bucket per step, and the bucket
-on the device from the all-reduce until its copy back (the end of the step's last backward).
+host, so `pending` sums there, in one pinned bucket kept for the run (zeroed when a step's first gradient lands).
+The collective runs on a copy on `device` (the group's: NCCL takes no host tensor), made without blocking from the
+pinned bucket; each parameter's reduced slice goes back through `land` (engine/shard.py: the units' reducer, a
+non-blocking D2H on the copy stream into the table's landing buffer, added into p.grad when the optimizer next
+reads gradients). The host never waits here. Cost: one H2D and one D2H of the bucket per step, and the bucket on
+the device from the all-reduce until its D2H has read it.
 
 Cost: one bucket of adapter size (fp32) during every backward of a step; per step 4(W-1)/W x adapter bytes of
 traffic (reduce-scatter + all-gather, or the all-reduce).
@@ -31,6 +34,7 @@ traffic (reduce-scatter + all-gather, or the all-reduce).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,12 +69,16 @@ def run_sizes(sizes: list[int], owners: list[int], world: int) -> list[int]:
 class ReplicatedParams:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: ProcessGroup | None,
                  counter: CommCounter, *, device: torch.device, shard_states: bool = False,
-                 label: str = "adapters") -> None:
+                 label: str = "adapters", land: Callable[[nn.Parameter, torch.Tensor], None] | None = None) -> None:
         self.params = params  # (name, parameter) in named_parameters() order
         self.group = group  # None: one rank, nothing to reduce
         self.counter = counter
         self.device = device  # where the group's collectives run (the compute device)
         self.label = label  # the collectives' name on the simulated GPU's record
+        # Given for host-resident params only (offloaded vocabulary tables; their residence is the flat's flag, as on
+        # the simulated GPU both sides are meta): how a reduced gradient, a slice of the device bucket, reaches p.grad
+        self.land = land
+        self._host_bucket: torch.Tensor | None = None  # host-resident params: the pinned `pending`, kept for the run
         world = 1 if group is None else dist.get_world_size(group)
         self.sharded = shard_states and world > 1 and bool(params)
         self.rank = dist.get_rank(group) if self.sharded else 0
@@ -118,7 +126,7 @@ class ReplicatedParams:
         if grad is None:  # an offloaded table's use: its gradient comes later, through `add`
             return None
         if self.pending is None:
-            self.pending = torch.zeros(self.bucket_numel, dtype=torch.float32, device=grad.device)
+            self.pending = self._new_pending(grad.device)
         a = self._offsets[i]
         self.pending[a:a + grad.numel()].add_(grad.reshape(-1))
         self._fresh[i] = self.params[i][1].grad is None
@@ -134,7 +142,7 @@ class ReplicatedParams:
         if self.group is None or not self.params:
             return
         if self.pending is None:  # no adapter gradient on this rank: still join the collective
-            self.pending = torch.zeros(self.bucket_numel, dtype=torch.float32, device=self.params[0][1].device)
+            self.pending = self._new_pending(self.params[0][1].device)
         if self.sharded:
             self._reduced = torch.empty(self.chunk, dtype=torch.float32, device=self.pending.device)
             # pending is scratch (dropped after): gloo then reduces in place, without its own copy of the input
@@ -142,8 +150,8 @@ class ReplicatedParams:
                                              full_is_scratch=True, async_op=True, label=self.label)
         else:
             assert self.pending.device == self.device or not self.sharded, "sharded adapters live on the device"
-            if self.pending.device != self.device:  # host-resident params: reduce a device copy, host sums kept
-                self.pending = self.pending.to(self.device, non_blocking=True)
+            if self.land is not None:  # host-resident params: reduce a device copy of the pinned sums
+                self.pending, _ = accelerator.copy_to_device(self.pending, self.device, label=self.label)
             self._work = all_reduce_(self.pending, self.group, self.counter, async_op=True, label=self.label)
 
     def finish_reduce(self) -> None:
@@ -154,10 +162,12 @@ class ReplicatedParams:
             self._work.wait()
             self._work = None
         source, base = (self._reduced, self.rank * self.chunk) if self.sharded else (self.pending, 0)
-        if self.params[0][1].device != source.device:  # host-resident params: one blocking D2H of the bucket
-            # (simulated: an empty host buffer stands for the values, as the vocabulary rows' D2H does)
-            source = (accelerator.host_empty(source.numel(), source.dtype, source.device)
-                      if accelerator.is_simulated(source.device) else accelerator.to_host(source))
+        if self.land is not None:  # host-resident params: each slice D2H, added later
+            assert not self.sharded, "host-resident params are replicas"
+            for (_, p), a in zip(self.params, self._offsets, strict=True):
+                self.land(p, source[a:a + p.numel()])
+            self.pending = None
+            return
         if self._empty_run is not None:
             self._empty_run.grad = torch.zeros_like(self._empty_run)
         for (_, p), a, mine in zip(self.params, self._offsets, self.owned, strict=True):
@@ -169,6 +179,16 @@ class ReplicatedParams:
             else:
                 p.grad.add_(reduced)
         self.pending = self._reduced = None
+
+    def _new_pending(self, device: torch.device) -> torch.Tensor:
+        """A zeroed bucket for a step's local sums: on the device, or for host-resident params the pinned host
+        bucket (made once: pinning per step would cost a page-locking call each time). Its last H2D has run: the
+        optimizer read the reduced gradients after their D2H, which follows it on the device."""
+        if self.land is None:
+            return torch.zeros(self.bucket_numel, dtype=torch.float32, device=device)
+        if self._host_bucket is None:
+            self._host_bucket = accelerator.host_resident(self.bucket_numel, torch.float32, self.device)
+        return self._host_bucket.zero_()
 
     def abandon(self) -> None:
         """A backward raised: wait for a collective in flight (its buckets must outlive it), drop the local sums."""

@@ -273,7 +273,11 @@ def _install_vocab_tables(ctx: EngineContext, root: Unit, replicate_group: Proce
         tables.append(table)
         segments += [(slot.name, seg) for _, _, _, seg in flat.segments]
     if segments and replicate_group is not None:
+        # Offloaded tables: the replicas' sum goes back to the host through the table (a D2H on the copy stream)
+        by_segment = {id(seg): t for t in tables for _, _, _, seg in t.flat.segments}
+        land = ((lambda seg, grad: by_segment[id(seg)].grad_to_host(grad, reduced=True))
+                if any(t.flat.on_host for t in tables) else None)
         ctx.vocab_replicas = ReplicatedParams(segments, replicate_group, ctx.counter, device=ctx.device,
-                                              label="vocab")
+                                              label="vocab", land=land)
         for table in tables:
             table.replicas = ctx.vocab_replicas

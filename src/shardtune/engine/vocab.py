@@ -91,12 +91,14 @@ class VocabTable:
             dev = _RowsToDevice.apply(src, staged, self) if grad else staged
         return dev.view(self.num_local, self.hidden).to(flat.compute_dtype)
 
-    def grad_to_host(self, grad: torch.Tensor) -> None:
+    def grad_to_host(self, grad: torch.Tensor, *, reduced: bool = False) -> None:
         """cpu_offload: this use's gradient of the local rows (on the device, fp32, num_local·H) to the host
         segment's gradient, without blocking: a D2H copy on the copy stream into a pinned buffer, added on the host
-        once the copy's event has passed (reduce.py `copy_to_host`), before clipping and the optimizer read it."""
+        once the copy's event has passed (reduce.py `copy_to_host`), before clipping and the optimizer read it.
+        Hybrid: a use's copy is summed into the replicas' host bucket; `reduced`, the bucket's slice summed over
+        the replicas (engine/replicated.py `land`), becomes the gradient."""
         (_, _, _, segment), = self.flat.segments
-        add = (functools.partial(self.replicas.add, segment) if self.replicas is not None
+        add = (functools.partial(self.replicas.add, segment) if self.replicas is not None and not reduced
                else functools.partial(_add_grad, segment))
         self.reducer.copy_to_host(self.flat, grad, stream=self.copy_stream, add=add)
 
