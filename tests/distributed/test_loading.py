@@ -1,5 +1,6 @@
 """Sharded loading (model.init=pretrained): meta build, each rank reads only its pieces; equals from_pretrained,
-single-file and multi-file (index) checkpoints; peak host bytes while loading <= own shards + largest tensor."""
+single-file and multi-file (index) checkpoints; peak host bytes while loading <= own shards + largest tensor. A tied
+model (tiny-qwen2: its checkpoint holds no lm_head.weight) is built tied and loads."""
 from __future__ import annotations
 
 import tempfile
@@ -16,10 +17,10 @@ from shardtune.memory import CpuMemoryTracker
 from shardtune.model.loading import build_empty, load_into_shards
 
 
-def _load(root: str, sharded_files: bool) -> None:
-    path = Path(root) / ("multi" if sharded_files else "single")
+def _load(root: str, sharded_files: bool, name: str = "tiny-llama") -> None:
+    path = Path(root) / name / ("multi" if sharded_files else "single")
     if dist.get_rank() == 0:
-        build_model("tiny-llama", seed=3).save_pretrained(path, max_shard_size="300KB" if sharded_files else "1GB")
+        build_model(name, seed=3).save_pretrained(path, max_shard_size="300KB" if sharded_files else "1GB")
     dist.barrier()
     assert (path / "model.safetensors.index.json").exists() == sharded_files
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
@@ -27,6 +28,8 @@ def _load(root: str, sharded_files: bool) -> None:
 
     model = build_empty(lambda: AutoModelForCausalLM.from_config(ref.config, attn_implementation="eager"))
     assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert tied == ref.config.tie_word_embeddings  # accelerate's meta build untied them once
     tracker = CpuMemoryTracker().start()
     base = tracker.live_bytes()
     sharded = shard_model(model, policy_for(model, "full_shard", world=dist.get_world_size()),
@@ -53,7 +56,7 @@ def _load(root: str, sharded_files: bool) -> None:
 
 def test_sharded_loading_2_ranks() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(_load, 2, grid(root=[tmp], sharded_files=[False, True]))
+        run_distributed(_load, 2, grid(root=[tmp], sharded_files=[False, True], name=["tiny-llama", "tiny-qwen2"]))
 
 
 def test_sharded_loading_4_ranks() -> None:

@@ -31,7 +31,13 @@ INDEX = "model.safetensors.index.json"
 def build_empty(build: Any) -> nn.Module:
     """Call `build()` (e.g. `AutoModelForCausalLM.from_config`) with parameters on meta, buffers real."""
     with init_empty_weights(include_buffers=False):
-        return build()
+        model = build()
+    # accelerate wraps every parameter anew as it is registered, so transformers' tie (the head's weight set to the
+    # embedding's Parameter) left two Parameters: a tied model (Llama-3.2-1B, Qwen2.5 up to 3B, Gemma) would train
+    # an independent head, and its checkpoints, which hold no lm_head.weight, would not load. Tied again here.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
 
 
 def checkpoint_key(name: str) -> str:

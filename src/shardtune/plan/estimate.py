@@ -108,6 +108,13 @@ class Setup:
                    offload_activations=p.offload_activations, mlp_chunk=p.mlp_chunk_tokens)
 
     @property
+    def keeps_units(self) -> bool:
+        """Units stay gathered from their forward to the end of backward: shard_grad_op, and no_shard on our
+        engine (a unit's shard is the whole unit). FSDP2 frees the gathered copy after forward under no_shard too
+        (engine/torch_backend.py: reshard_after_forward unless shard_grad_op) and gathers it again for backward."""
+        return self.strategy == "shard_grad_op" or (self.strategy == "no_shard" and self.backend != "torch")
+
+    @property
     def shard_size(self) -> int:
         if self.strategy == "no_shard":
             return 1
@@ -527,7 +534,7 @@ def forward_gathered(stats: ModelStats, s: Setup, step: StepFacts) -> Gathered:
         root_held = step.root_gathered - emb_table
     else:
         root_held = step.root_gathered
-    keeps_units = s.strategy in ("shard_grad_op", "no_shard")
+    keeps_units = s.keeps_units
     held_fwd = root_held + (sum(unit_g) if keeps_units else (unit_g[-1] if unit_g else 0))
     prefetch_g = big if s.prefetch and not keeps_units else 0
     offload_copy = 0
@@ -594,7 +601,7 @@ def unit_backward_phase(stats: ModelStats, s: Setup, step: StepFacts, states: Mo
         # is gathered ahead only after it is retired (no reduction in flight: at once). Overlap (FSDP2's): the next
         # unit's reduction is in flight and the previous unit gathered during the whole backward of every unit.
         flight = in_flight_bytes(step, i + 1) if i or overlap else 0
-        if s.strategy in ("shard_grad_op", "no_shard"):
+        if s.keeps_units:
             gathered = held.forward
         else:
             ahead = i and s.prefetch and (overlap or not flight)
