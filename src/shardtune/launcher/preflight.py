@@ -173,6 +173,7 @@ def preflight(cfg: DictConfig, recipe: Recipe, nproc: int, *, refuse: bool, fit:
         return cfg, 0
     from shardtune.plan.report import summary_line  # imports torch (the plan's types)
 
+    _refuse_model_problems(recipe, plan)
     where = f"{plan.setup.world} x {plan.hardware.name}"
     if fit:
         from shardtune.plan.search import fit_search
@@ -202,6 +203,20 @@ def preflight(cfg: DictConfig, recipe: Recipe, nproc: int, *, refuse: bool, fit:
     print("pre-flight: refusing to launch (exit 3): apply the advice, try `shardtune train RECIPE --fit`, "
           "or pass --no-check to launch anyway", file=sys.stderr)
     return cfg, 3
+
+
+def _refuse_model_problems(recipe: Recipe, plan) -> None:  # plan: plan.result.Plan
+    """A mixture of experts' LoRA targets and balance loss (a router target, DPO with expert adapters, NF4 experts
+    on FSDP2), checked on the plan's own meta model: one line before any worker starts, not after every rank has
+    built the model (20 s on the tiny MoE). The workers check again (trainer/parallelize.py). Dense models are
+    planned on plan/skeleton.py's stand-in, which validate's transformers build checks instead."""
+    if plan.stats.dims.moe is None:
+        return
+    from shardtune.model.moe_checks import moe_problems
+
+    problems = moe_problems(recipe, plan.stats.model)
+    if problems:
+        raise UserError(problems[0])
 
 
 def apply_fit(cfg: DictConfig, overrides: list[str]) -> DictConfig:
