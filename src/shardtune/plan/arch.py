@@ -54,4 +54,7 @@ def config_namespace(raw: dict) -> SimpleNamespace:
     return SimpleNamespace(**{k: raw[k] for k in REQUIRED},
                            num_key_value_heads=raw.get("num_key_value_heads") or heads,
                            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-                           tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
+                           tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                           sliding_window=raw.get("sliding_window"),
+                           use_sliding_window=raw.get("use_sliding_window", True),
+                           layer_types=raw.get("layer_types"))

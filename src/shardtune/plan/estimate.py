@@ -36,6 +36,7 @@ import torch
 from shardtune.config.schema import Recipe
 from shardtune.engine.api import splits_vocab
 from shardtune.engine.layout import UnitLayout
+from shardtune.model.attention import WINDOW_BLOCK
 from shardtune.plan.moe import unpermute_bytes
 from shardtune.plan.offload_host import table_grad_host_bytes
 from shardtune.plan.stats import DTYPES, ModelStats
@@ -159,7 +160,13 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
     # Packed SFT rows, per-document calls (model/attention.py): each call's output (saved by SDPA) and their concatenation
     # are two tensors. DPO rows are one causal call each.
-    if s.packing and not mask and stats.recipe.train.objective == "sft":
+    # A document longer than the sliding window (model/attention.py `_Band`; the plan takes the worst case, one
+    # document of seq_len): k and v repeated to every head (CUDA's kernel that takes a bias reads no grouped heads)
+    # and saved so, the query blocks' outputs then their concatenation, and the band bias of B x (B + W - 1).
+    band = d.window is not None and d.window < n and stats.recipe.model.attn_implementation != "eager"
+    if band:
+        attn += bs * c * 2 * (q_dim - kv_dim)
+    if band or (s.packing and not mask and stats.recipe.train.objective == "sft"):
         attn += bs * c * q_dim
     if 0 < s.mlp_chunk < bs:  # model/tiled_mlp.py: MLP, norms and adapter branches over sequence chunks
         norms, mlp = chunked_norms_mlp_bytes(stats, s)
@@ -169,6 +176,9 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
         norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
         mlp = 4 * bs * d.intermediate * c
     extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
+    if band:
+        block = min(d.window, WINDOW_BLOCK)
+        extra += block * (block + d.window - 1) * c
     if d.moe:
         extra += routing_bytes(stats, d, bs, c, lora_experts=s.lora)
     if stats.recipe.model.attn_implementation == "eager":
