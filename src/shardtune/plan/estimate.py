@@ -688,6 +688,14 @@ def optimizer_phase(s: Setup, step: StepFacts, states: ModelStates) -> dict[str,
             "activations": 0}
 
 
+def fsdp2_load_phase(stats: ModelStats, s: Setup, states: ModelStates) -> dict[str, int]:
+    """FSDP2's setup (trainer/parallelize.py, engine.backend=torch): every rank materialises the whole model on
+    its device, read from the files or drawn, in the model's dtype (QLoRA quantizes it after), before fully_shard
+    keeps its shard. Our engine fills each rank's shards only, so it has no such phase."""
+    whole = stats.num_params * _size(DTYPES[stats.recipe.model.dtype]) + 4 * states.lora_params
+    return {"params": whole, "buffers": states.static.get("buffers", 0)}
+
+
 def estimate(stats: ModelStats, s: Setup) -> Estimate:
     """The step's phases (the module docstring), from what they share: the units and sizes, the model states, the
     saved activations and the gathered buffers. The peak is the largest phase."""
@@ -699,6 +707,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
               "unit-backward": unit_backward_phase(stats, s, step, states, acts, held),
               **reduction_phases(stats, s, step, states, acts, held),
               "optimizer": optimizer_phase(s, step, states)}
+    if s.backend == "torch":
+        phases["load"] = fsdp2_load_phase(stats, s, states)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak = max(totals, key=totals.__getitem__)  # the first phase on a tie
     per_rank = {f"{k}_bytes": phases[peak].get(k, 0) for k in CATEGORIES}

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from shardtune.plan.hardware import GiB
 from shardtune.plan.long_context import long_context_options
+from shardtune.plan.estimate import Setup, estimate
 from shardtune.plan.result import Plan, variant
 
 MFU = 0.4
@@ -119,6 +120,16 @@ def _world_variant(plan: Plan, world: int) -> Plan:
     return variant(plan, world=world, nodes=nodes, hybrid_shard_size=hs if hs and world % hs == 0 else None)
 
 
+def _backend_variant(plan: Plan) -> Plan:
+    """The recipe on our engine: the Setup resolved anew (vocab_parallel, the adapters' sharding and the NF4 tiles
+    are ours only)."""
+    r = plan.recipe
+    recipe = dataclasses.replace(r, engine=dataclasses.replace(r.engine, backend="shardtune"))
+    setup = Setup.from_recipe(recipe, world=plan.setup.world, nodes=plan.setup.nodes,
+                              device_is_cpu=plan.setup.device_is_cpu)
+    return Plan(recipe, plan.stats, setup, estimate(plan.stats, setup), plan.hardware)
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
@@ -127,6 +138,8 @@ def advice(plan: Plan) -> list[str]:
     """Each single change that makes the plan fit, with its predicted peak (best first)."""
     s = plan.setup
     tries: list[tuple[str, Plan]] = []
+    if s.backend == "torch":  # FSDP2 loads the whole model on every GPU first (estimate.fsdp2_load_phase)
+        tries.append(("engine.backend=shardtune (each rank loads its shards only)", _backend_variant(plan)))
     if not s.offload:
         tries.append(("engine.cpu_offload=true", variant(plan, offload=True)))
     if s.checkpointing is False:

@@ -212,8 +212,10 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
 
     overrides = list(overrides or [])
     plan = make_plan(recipe_ref, overrides)
-    world, nodes, analytic, analytic_host = (plan.setup.world, plan.setup.nodes, plan.estimate.total,
-                                             plan.estimate.host_per_rank)
+    # The simulated step starts after setup: FSDP2's whole-model load (a setup phase, estimate.fsdp2_load_phase)
+    # is not in it, so the step's phases are what it is compared with.
+    analytic = max(v for k, v in plan.estimate.phases.items() if k != "load")
+    world, nodes, analytic_host = plan.setup.world, plan.setup.nodes, plan.estimate.host_per_rank
     # What the caching allocator can take from the GPU: its memory less what the CUDA context holds.
     limit = None if plan.hardware.is_cpu else plan.capacity - CUDA_CONTEXT
     micro = min(2, plan.recipe.train.grad_accum)

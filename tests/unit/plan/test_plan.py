@@ -170,3 +170,16 @@ def test_fsdp2_no_shard_frees_each_unit_after_forward() -> None:
     # the tables, the final norm, the unit in backward and the one prefetched; not 32 units
     assert plans["no_shard"].per_rank["gathered_bytes"] < tables_bf16 + 3 * unit_bf16
     assert make_plan(recipe, ["engine.strategy=no_shard"]).estimate.per_rank["gathered_bytes"] == 0
+
+
+def test_fsdp2_setup_loads_the_whole_model_on_every_gpu() -> None:
+    """engine.backend=torch materialises the whole model on each GPU (read or drawn, in the model's dtype) before
+    fully_shard keeps its shard (trainer/parallelize.py): Mistral-7B's LoRA recipe on FSDP2 needs its 27 GiB of fp32
+    weights on a 24 GB card at setup, where its step needs 17. The plan says so, and points at our engine, which
+    fills each rank's shards only."""
+    plan = make_plan("recipes/hardware/mistral-7b-lora-2x24gb.yaml", ["engine.backend=torch"])
+    est = plan.estimate
+    assert est.peak_phase == "load" and not plan.fits
+    assert est.phases["load"] >= plan.stats.num_params * 4 > max(v for k, v in est.phases.items() if k != "load")
+    assert plan.advice[0].startswith("engine.backend=shardtune")
+    assert "load" not in make_plan("recipes/hardware/mistral-7b-lora-2x24gb.yaml", []).estimate.phases
