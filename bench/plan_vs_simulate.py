@@ -71,7 +71,9 @@ def _plan_figures(recipe: Path, overrides: list[str]) -> dict:
     from shardtune.plan.planner import make_plan
 
     plan = make_plan(str(recipe), overrides)
-    return {"analytic_peak_bytes": plan.estimate.total, "analytic_host_bytes": plan.estimate.host_per_rank}
+    # the step's peak, as plan --simulate compares (FSDP2's whole-model load is a setup phase the step does not see)
+    step = max(v for k, v in plan.estimate.phases.items() if k != "load")
+    return {"analytic_peak_bytes": step, "analytic_host_bytes": plan.estimate.host_per_rank}
 
 
 def _ratio(a: int, b: int) -> str:
