@@ -177,7 +177,9 @@ def _print_fit(found: list, p) -> None:
     for i, c in enumerate(found, 1):
         table.add_row(str(i), c.overrides(), f"{c.plan.estimate.total / 2**30:.2f}", f"{c.time['step_s']:.2f}",
                       f"{c.time['tokens_per_s']:,.0f}")
-    Console().print(table if found else "no configuration fits: more GPUs, LoRA (--lora) or a shorter data.seq_len")
+    # nothing found: the plan's own advice when it has one (e.g. FSDP2's whole-model load: our engine's shards)
+    hint = "; ".join(a for a in p.advice if "--fit" not in a) or "more GPUs, LoRA (--lora) or a shorter data.seq_len"
+    Console().print(table if found else f"no configuration fits: {hint}")
 
 
 @app.command()

@@ -172,7 +172,7 @@ def test_fsdp2_no_shard_frees_each_unit_after_forward() -> None:
     assert make_plan(recipe, ["engine.strategy=no_shard"]).estimate.per_rank["gathered_bytes"] == 0
 
 
-def test_fsdp2_setup_loads_the_whole_model_on_every_gpu() -> None:
+def test_fsdp2_setup_loads_the_whole_model_on_every_gpu(capsys) -> None:
     """engine.backend=torch materialises the whole model on each GPU (read or drawn, in the model's dtype) before
     fully_shard keeps its shard (trainer/parallelize.py): Mistral-7B's LoRA recipe on FSDP2 needs its 27 GiB of fp32
     weights on a 24 GB card at setup, where its step needs 17. The plan says so, and points at our engine, which
@@ -183,3 +183,6 @@ def test_fsdp2_setup_loads_the_whole_model_on_every_gpu() -> None:
     assert est.phases["load"] >= plan.stats.num_params * 4 > max(v for k, v in est.phases.items() if k != "load")
     assert plan.advice[0].startswith("engine.backend=shardtune")
     assert "load" not in make_plan("recipes/hardware/mistral-7b-lora-2x24gb.yaml", []).estimate.phases
+    # --fit searches FSDP2's settings; none fits, and it says what does
+    code, out, _ = run_cli(["plan", "mistral-7b-lora-2x24gb", "engine.backend=torch", "--fit"], capsys)
+    assert code == 3 and "no configuration fits: engine.backend=shardtune" in " ".join(out.split()), out
