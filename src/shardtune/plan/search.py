@@ -30,9 +30,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from shardtune.plan.estimate import Setup, estimate
 from shardtune.plan.hardware import GiB
 from shardtune.plan.long_context import long_context_options
-from shardtune.plan.estimate import Setup, estimate
 from shardtune.plan.result import Plan, variant
 
 MFU = 0.4
