@@ -1,6 +1,7 @@
 """Issue-13 correctness traps, one spawn per world size:
 - random init drawn shard by shard: the same weights at world 1, 2 and 4 as the whole-model init, and a rank's peak
-  while building stays at its shards + one unit (never the model);
+  while building stays at its shards + one unit (never the model); FSDP2 (engine.backend=torch) too, random and
+  pretrained;
 - a rank whose initial weights differ (its own init, another seed, other checkpoint files) is a clear error on
   every rank (start-up checksum), not a hang;
 - resume under CPU offload with replicas (no_shard, hybrid 2x2) is exact and sends no engine state through a
@@ -67,6 +68,39 @@ def _sharded_init(lora: bool) -> None:
         for name, t in base_names.items():
             expected = reference[name].detach().to(t.dtype)
             assert torch.equal(t, expected), name
+
+
+# -- FSDP2's init, sharded ---------------------------------------------------------------------------------------------
+def _fsdp2_init(root: str, pretrained: bool) -> None:
+    """engine.backend=torch: fully_shard on meta, then each rank makes only its own chunks (engine/fsdp2_init.py).
+    The gathered weights equal the whole-model init, or the checkpoint (several files), bit for bit; a rank's peak
+    while building is its chunks plus one module, never the model (FSDP2's load of the whole model was)."""
+    overrides = ["engine.backend=torch"]
+    if pretrained:
+        path = Path(root) / "fsdp2-checkpoint"
+        if dist.get_rank() == 0:
+            build_model("tiny-llama", seed=3).save_pretrained(path, max_shard_size="300KB")
+        dist.barrier()
+        overrides += ["model.init=pretrained", f"model.path={path}", "model.config=null"]
+    recipe = load_recipe("tiny-cpu", overrides)
+    whole = (AutoModelForCausalLM.from_pretrained(recipe.model.path) if pretrained
+             else build_recipe_model(recipe.model, seed=recipe.train.seed))
+    reference = dict(whole.named_parameters())
+    largest_module = max(sum(p.nbytes for p in m.parameters(recurse=False)) for m in whole.modules())
+    tracker = CpuMemoryTracker().start()
+    base = tracker.live_bytes()
+    model = build_recipe_model(recipe.model, seed=recipe.train.seed, sharded_init=True)
+    sharded = parallelize(model, recipe, device=CPU, world_size=dist.get_world_size())
+    peak = tracker.peak_bytes() - base
+    tracker.stop()
+    model_bytes = sum(t.nbytes for t in reference.values())
+    buffers = sum(b.nbytes for b in model.buffers())
+    assert peak <= model_bytes // dist.get_world_size() + largest_module + buffers + (64 << 10), (peak, model_bytes)
+    full = dict(sharded.full_state_dict())
+    if dist.get_rank() == 0:
+        assert set(full) == set(reference), sorted(set(full) ^ set(reference))[:4]
+        for name, t in full.items():
+            assert torch.equal(t, reference[name].detach()), name
 
 
 # -- bf16 masters -----------------------------------------------------------------------------------------------------
@@ -228,7 +262,7 @@ def _generate(backend: str) -> None:
 
 def _all(kind: str, **kw) -> None:
     {"init": _sharded_init, "mismatch": _mismatch, "resume": _resume, "generate": _generate,
-     "bf16": _bf16_masters}[kind](**kw)
+     "bf16": _bf16_masters, "fsdp2_init": _fsdp2_init}[kind](**kw)
 
 
 def test_traps_1_rank() -> None:
@@ -239,7 +273,9 @@ def test_traps_2_ranks() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_distributed(_all, 2, [dict(kind="init", lora=False), dict(kind="init", lora=True),
                                   dict(kind="mismatch", root=tmp), dict(kind="resume", strategy="no_shard", root=tmp),
-                                  dict(kind="generate", backend="shardtune"), dict(kind="generate", backend="torch")],
+                                  dict(kind="generate", backend="shardtune"), dict(kind="generate", backend="torch"),
+                                  dict(kind="fsdp2_init", root=tmp, pretrained=False),
+                                  dict(kind="fsdp2_init", root=tmp, pretrained=True)],
                         timeout_s=60)
 
 

@@ -148,8 +148,8 @@ def _states_to(module: nn.Module, device: torch.device) -> None:
         for k, b in m._buffers.items():
             if b is not None:
                 m._buffers[k] = b.to(device)
-        for p in m._parameters.values():
-            if p is not None and p.device.type != device.type:
+        for p in m._parameters.values():  # meta ones stay: fully_shard takes them so, engine/fsdp2_init.py fills them
+            if p is not None and not p.is_meta and p.device.type != device.type:
                 torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))
 
 

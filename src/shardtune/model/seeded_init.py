@@ -50,7 +50,7 @@ def init_module(model: nn.Module, path: str, module: nn.Module, *, seed: int) ->
         _init_fn(model, path)(module)
 
 
-def _by_module(names: list[str]) -> dict[str, list[str]]:
+def by_module(names: list[str]) -> dict[str, list[str]]:
     """Canonical parameter names -> {module path: [attribute, ...]}, in first-seen order."""
     out: dict[str, list[str]] = {}
     for name in names:
@@ -69,7 +69,7 @@ def init_full(model: nn.Module, *, seed: int, dtype: torch.dtype, device: torch.
             if p is not None and p.is_meta:
                 holders.setdefault(id(p), []).append((m, attr))
     meta = [n for n, p in model.named_parameters() if p.is_meta]
-    for path, attrs in _by_module(meta).items():
+    for path, attrs in by_module(meta).items():
         module = model.get_submodule(path)
         old = [module._parameters[a] for a in attrs]
         new = [nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad) for p in old]
@@ -93,7 +93,7 @@ def _fill_unit(model: nn.Module, unit, *, seed: int, dtype: torch.dtype, hasher:
             continue
         for i, p_start, s_start, n in flat.pieces():
             where[flat.slots[i].name][2].append((p_start, s_start, n))
-    for path, attrs in _by_module(list(where)).items():
+    for path, attrs in by_module(list(where)).items():
         module = model.get_submodule(path)
         assert not any(a in module._parameters for a in attrs), "the engine removed the sharded parameters"
         fresh = {a: nn.Parameter(torch.empty(where[_join(path, a)][1].shape, dtype=dtype), requires_grad=False)

@@ -689,9 +689,10 @@ def optimizer_phase(s: Setup, step: StepFacts, states: ModelStates) -> dict[str,
 
 
 def fsdp2_load_phase(stats: ModelStats, s: Setup, states: ModelStates) -> dict[str, int]:
-    """FSDP2's setup (trainer/parallelize.py, engine.backend=torch): every rank materialises the whole model on
-    its device, read from the files or drawn, in the model's dtype (QLoRA quantizes it after), before fully_shard
-    keeps its shard. Our engine fills each rank's shards only, so it has no such phase."""
+    """QLoRA on FSDP2's setup (trainer/parallelize.py, engine.backend=torch): torchao quantizes whole weights, so
+    every rank materialises the whole model on its device, read from the files or drawn, in the model's dtype,
+    before fully_shard keeps its shard. Otherwise FSDP2 shards on meta and each rank makes its own chunks
+    (engine/fsdp2_init.py), as our engine fills its shards: no such phase."""
     whole = stats.num_params * _size(DTYPES[stats.recipe.model.dtype]) + 4 * states.lora_params
     return {"params": whole, "buffers": states.static.get("buffers", 0)}
 
@@ -707,7 +708,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
               "unit-backward": unit_backward_phase(stats, s, step, states, acts, held),
               **reduction_phases(stats, s, step, states, acts, held),
               "optimizer": optimizer_phase(s, step, states)}
-    if s.backend == "torch":
+    if s.backend == "torch" and s.nf4:
         phases["load"] = fsdp2_load_phase(stats, s, states)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak = max(totals, key=totals.__getitem__)  # the first phase on a tie

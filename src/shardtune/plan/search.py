@@ -138,8 +138,8 @@ def advice(plan: Plan) -> list[str]:
     """Each single change that makes the plan fit, with its predicted peak (best first)."""
     s = plan.setup
     tries: list[tuple[str, Plan]] = []
-    if s.backend == "torch":  # FSDP2 loads the whole model on every GPU first (estimate.fsdp2_load_phase)
-        tries.append(("engine.backend=shardtune (each rank loads its shards only)", _backend_variant(plan)))
+    if s.backend == "torch":  # QLoRA on FSDP2 loads the whole model on every GPU first (estimate.fsdp2_load_phase)
+        tries.append(("engine.backend=shardtune", _backend_variant(plan)))
     if not s.offload:
         tries.append(("engine.cpu_offload=true", variant(plan, offload=True)))
     if s.checkpointing is False:

@@ -91,16 +91,27 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
                             "(FSDP2 copies gradients to the host, which the simulation cannot give): plan it without "
                             "--simulate, or simulate engine.backend=shardtune")
 
-        if pretrained is not None:
-            load_full(model, pretrained, device)  # FSDP2 path: every rank reads the whole model, then shards
-        elif random_meta:
-            init_full(model, seed=recipe.train.seed, dtype=init_dtype, device=device)  # whole, then sharded
-        if policy.quantize_base:  # QLoRA on FSDP2: the same weights as NF4Tensor parameters (torchao's FSDP2 hooks)
-            from shardtune.engine.layout import group_unit_params
-            from shardtune.engine.nf4 import quantize_parameters
+        if not policy.quantize_base:
+            # fully_shard on meta, then each rank makes only its own chunks (engine/fsdp2_init.py); the simulated
+            # GPU's chunks are meta already
+            sharded = torch_backend.shard_model(model, policy, device=device)
+            if (pretrained is not None or random_meta) and not accelerator.is_simulated(device):
+                from shardtune.engine.fsdp2_init import fill_local_shards
 
-            quantize_parameters(model, [e for up in group_unit_params(model, policy) for e in up.quantized],
-                                policy.mixed_precision.param_dtype)
+                fill_local_shards(model, device=device, host=policy.cpu_offload, pretrained=pretrained,
+                                  seed=recipe.train.seed, dtype=init_dtype)
+            return sharded
+        # QLoRA on FSDP2: torchao quantizes whole weights into NF4Tensor parameters (its FSDP2 hooks shard them), so
+        # every rank holds the whole model on its device first (plan/estimate.py fsdp2_load_phase)
+        if pretrained is not None:
+            load_full(model, pretrained, device)
+        elif random_meta:
+            init_full(model, seed=recipe.train.seed, dtype=init_dtype, device=device)
+        from shardtune.engine.layout import group_unit_params
+        from shardtune.engine.nf4 import quantize_parameters
+
+        quantize_parameters(model, [e for up in group_unit_params(model, policy) for e in up.quantized],
+                            policy.mixed_precision.param_dtype)
         return torch_backend.shard_model(model, policy, device=device)
     from shardtune.engine import shard
 

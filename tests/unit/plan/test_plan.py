@@ -172,17 +172,20 @@ def test_fsdp2_no_shard_frees_each_unit_after_forward() -> None:
     assert make_plan(recipe, ["engine.strategy=no_shard"]).estimate.per_rank["gathered_bytes"] == 0
 
 
-def test_fsdp2_setup_loads_the_whole_model_on_every_gpu(capsys) -> None:
-    """engine.backend=torch materialises the whole model on each GPU (read or drawn, in the model's dtype) before
-    fully_shard keeps its shard (trainer/parallelize.py): Mistral-7B's LoRA recipe on FSDP2 needs its 27 GiB of fp32
-    weights on a 24 GB card at setup, where its step needs 17. The plan says so, and points at our engine, which
-    fills each rank's shards only."""
-    plan = make_plan("recipes/hardware/mistral-7b-lora-2x24gb.yaml", ["engine.backend=torch"])
+def test_fsdp2_qlora_setup_loads_the_whole_model_on_every_gpu(capsys) -> None:
+    """QLoRA on FSDP2 (engine.backend=torch): torchao quantizes whole weights, so every rank materialises the whole
+    model on its GPU (in the model's dtype) before fully_shard keeps its shard (trainer/parallelize.py): the 8B 128k
+    QLoRA recipe needs 30 GiB of fp32 weights on a 24 GB card at setup, where its step needs 19. The plan says so,
+    and points at our engine. LoRA and full fine-tuning on FSDP2 shard on meta and fill their chunks
+    (engine/fsdp2_init.py): no such phase."""
+    recipe = "recipes/hardware/llama-3.1-8b-qlora-128k-1x24gb.yaml"
+    plan = make_plan(recipe, ["engine.backend=torch"])
     est = plan.estimate
     assert est.peak_phase == "load" and not plan.fits
     assert est.phases["load"] >= plan.stats.num_params * 4 > max(v for k, v in est.phases.items() if k != "load")
     assert plan.advice[0].startswith("engine.backend=shardtune")
-    assert "load" not in make_plan("recipes/hardware/mistral-7b-lora-2x24gb.yaml", []).estimate.phases
+    for ours_or_lora in ([], ["engine.backend=torch", "lora.quantize_base=null"]):
+        assert "load" not in make_plan(recipe, ours_or_lora).estimate.phases
     # --fit searches FSDP2's settings; none fits, and it says what does
-    code, out, _ = run_cli(["plan", "mistral-7b-lora-2x24gb", "engine.backend=torch", "--fit"], capsys)
+    code, out, _ = run_cli(["plan", "llama-3.1-8b-qlora-128k-1x24gb", "engine.backend=torch", "--fit"], capsys)
     assert code == 3 and "no configuration fits: engine.backend=shardtune" in " ".join(out.split()), out
