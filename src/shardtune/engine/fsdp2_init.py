@@ -15,6 +15,7 @@ the device. QLoRA is not this path: torchao quantizes whole weights before `full
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def fill_local_shards(model: nn.Module, *, device: torch.device, host: bool, pre
                 holders.setdefault(id(p), []).append((m, attr))
     names = [n for n, p in model.named_parameters() if id(p) in holders]  # tied weights once, by their first name
     where = torch.device("cpu") if host else device
-    with CheckpointFiles(pretrained) if pretrained is not None else _NoFiles() as ckpt:
+    with CheckpointFiles(pretrained) if pretrained is not None else contextlib.nullcontext() as ckpt:
         for path, attrs in by_module(names).items():
             module = model.get_submodule(path)
             old = [module._parameters[a] for a in attrs]
@@ -48,9 +49,8 @@ def fill_local_shards(model: nn.Module, *, device: torch.device, host: bool, pre
                 chunks = [_read_chunk(ckpt, checkpoint_key(f"{path}.{a}" if path else a), p)
                           for a, p in zip(attrs, old, strict=True)]
             for p_old, chunk in zip(old, chunks, strict=True):
-                # a fresh tensor: a chunk read from the files may be a view of the whole weight's storage
+                # a fresh tensor: a chunk is a view of the whole weight's storage (read from the files, or drawn)
                 local = torch.empty(chunk.shape, dtype=p_old.dtype, device=where).copy_(chunk)
-                del chunk
                 new = nn.Parameter(DTensor.from_local(local, p_old.device_mesh, p_old.placements, run_check=False,
                                                       shape=p_old.shape, stride=p_old.stride()),
                                    requires_grad=p_old.requires_grad)
@@ -58,14 +58,6 @@ def fill_local_shards(model: nn.Module, *, device: torch.device, host: bool, pre
                     m._parameters[attr] = new
         if ckpt is not None:
             ckpt.load_buffers(model)
-
-
-class _NoFiles:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _rows(p: DTensor) -> tuple[int, int]:
@@ -95,7 +87,7 @@ def _drawn_chunks(model: nn.Module, path: str, module: nn.Module, attrs: list[st
     chunks = []
     for p, w in zip(old, whole, strict=True):
         first, count = _rows(p)
-        chunks.append(w.data[first:first + count].clone() if p.dim() else w.data.clone())
+        chunks.append(w.data[first:first + count] if p.dim() else w.data)
     for a, p in zip(attrs, old, strict=True):
         module._parameters[a] = p  # put back until the caller installs the chunk at every holder
     return chunks

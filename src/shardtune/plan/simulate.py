@@ -10,7 +10,7 @@ How, and what it leaves out:
   - The seeded init is skipped (parallelize's `init_into_shards`): it draws every module on the host, minutes at
     70B, and a meta shard holds no values anyway.
   - AdamW's moments are created before the step (as a resume does): the plan's peak is a later step's, with them.
-  - A DPO recipe with an SFT warm-up runs its first DPO step (`_objective_step`), the one the plan predicts.
+  - A DPO recipe with an SFT warm-up runs its first DPO step (`first_full_step`), the one the plan predicts.
   - The step runs min(grad_accum, 2) micro-steps: the plan's peak depends on grad_accum only through "earlier
     micro-steps' gradients exist" (> 1), which the second micro-step already has.
   - Offloaded host buffers (`accelerator.host_empty`, `host_resident`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -232,7 +231,7 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
             run.model.train()
             accelerator.TRACE.clear()
             # the step as the recipe runs it (train.profile_memory is a run's own tracker)
-            train_step(run, _objective_step(run), None)
+            train_step(run, run.objective.first_full_step(), None)
             syncs = [f"{kind} {caller}" for kind, caller in accelerator.host_syncs()]
         finally:
             tracker.stop()
@@ -245,20 +244,6 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
                       wall_s=time.perf_counter() - t0, micro_steps=micro, allocated_peak=books[0],
                       reserved_peak=books[1], pinned_reserved_peak=books[2], alloc_retries=books[3],
                       ooms=books[4], host_syncs=syncs)
-
-
-def _objective_step(run: Any) -> int:
-    """The step whose peak the plan predicts: the objective's own. A DPO recipe's first `dpo.sft_warmup_steps`
-    steps are SFT on the chosen rows alone (half the rows of a DPO forward): the simulation runs the step after
-    DPO starts. The reference log-probs DPO precomputes when it starts (a no-grad pass over every pair: minutes at
-    8B, no part of a step's peak) stand as zeros, as the meta device's values all read."""
-    obj = run.objective
-    warmup = getattr(obj, "warmup", 0)
-    if not warmup:
-        return 0
-    if obj.precompute:
-        obj.reference = {"train": np.zeros((len(obj.train_pairs), 2)), "eval": np.zeros((len(obj.eval_pairs), 2))}
-    return warmup + 1
 
 
 def summary(sim: Simulation) -> str:

@@ -70,6 +70,10 @@ class SftObjective:
             loss = loss + coef * self._router.loss(mb.input_ids.shape[0], norm)
         return loss, loss.new_zeros(0)
 
+    def first_full_step(self) -> int:
+        """The first step that runs the objective whole (`plan --simulate` measures it): SFT's first."""
+        return 0
+
     def metrics(self, sums: list[float], norm: int) -> dict[str, float]:
         return {}
 
@@ -188,6 +192,16 @@ class DpoObjective(SftObjective):
             return loss, loss.new_zeros(0)
         out = self._pair_out(model, mb, "train")
         return out.losses.sum() / norm, _sums(out)
+
+    def first_full_step(self) -> int:
+        """After the SFT warm-up: the first DPO step, its reference log-probs standing as zeros when precomputed
+        (the pass over every pair that makes them is no part of a step's peak)."""
+        if not self.warmup:
+            return 0
+        if self.precompute:
+            self.reference = {split: np.zeros((len(rows), 2))
+                              for split, rows in (("train", self.train_pairs), ("eval", self.eval_pairs))}
+        return self.warmup + 1
 
     def metrics(self, sums: list[float], norm: int) -> dict[str, float]:
         if self.step < self.warmup:
