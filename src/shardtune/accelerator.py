@@ -45,7 +45,6 @@ API (`device` is the run's compute device; SIMULATED = torch.device("meta")):
                                      there (None on cpu, or when nothing was copied)
   host_wait(event)                   the CPU blocks until the device has passed `event` (None: nothing to wait for)
   host_sync(kind) / host_syncs()     the simulated GPU's count of host synchronizations (TRACE "host_sync")
-  has_pinned_memory(device)          whether torch can pin host memory for it (FSDP2's offload policy)
   optimizer_flags(params)            AdamW's implementation: {"fused": True} when every param is on the host (the
                                      fused CPU kernel), else {"foreach": True}
   step_tensor(param, fused)          AdamW's `step` for `param`: on the param's device when fused (the fused CUDA
@@ -60,6 +59,7 @@ import contextlib
 import itertools
 import mmap
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -329,9 +329,14 @@ def make_host_buffer(numel: int, dtype: torch.dtype, device: torch.device, *, ze
 def _host_buffer(numel: int, dtype: torch.dtype, device: torch.device, zero: bool, kind: str) -> torch.Tensor:
     if not is_simulated(device):
         return make_host_buffer(numel, dtype, device, zero=zero)
+    return simulated_pinned_buffer(lambda: make_host_buffer(numel, dtype, device, zero=zero), kind)
+
+
+def simulated_pinned_buffer(make: Callable[[], torch.Tensor], kind: str) -> torch.Tensor:
+    """Simulated GPU: the host buffer `make()` returns, booked as pinned of `kind` ("cached" or "exact")."""
     _PINNING.kind = kind  # the allocator model sees the storage while it is made (simulated/allocator.py)
     try:
-        t = make_host_buffer(numel, dtype, device, zero=zero)
+        t = make()
     finally:
         _PINNING.kind = None
     _sim_pin(t, kind)
@@ -429,11 +434,6 @@ def host_wait(event: Any) -> None:
         event.synchronize()
 
 
-def has_pinned_memory(device: torch.device) -> bool:
-    """Whether host buffers for `device` can really be pinned (CUDA; not the simulated GPU on a CPU build)."""
-    return device.type == "cuda"
-
-
 def simulated_pinned(t: torch.Tensor) -> bool:
     """Simulated GPU: whether host tensor `t` lies in a buffer `host_empty` / `host_resident` made (what
     `Tensor.is_pinned()` reports under simulation, simulated/device.py)."""
@@ -450,7 +450,19 @@ def optimizer_flags(params: list[torch.Tensor]) -> dict[str, bool]:
     the multi-tensor (foreach) path, torch's default on CUDA; and no fused kernel on a mix of devices."""
     if params and all(p.device.type == "cpu" for p in params):
         return {"fused": True}
+    if params and all(_on_simulated_host(p) for p in params):
+        # FSDP2's offloaded shards on the simulated GPU: a host kernel that takes meta tensors, one tensor at a time
+        # (the fused kernel refuses the meta device; foreach's temporaries of every shard are not the fused kernel's)
+        return {"foreach": False}
     return {"foreach": True}
+
+
+def _on_simulated_host(p: torch.Tensor) -> bool:
+    """A parameter (FSDP2's: a DTensor) whose values are a simulated pinned host buffer (simulated_pinned_buffer)."""
+    from torch.distributed.tensor import DTensor
+
+    local = p.to_local() if isinstance(p, DTensor) else p
+    return local.is_meta and pinned_kind(local.untyped_storage()) is not None
 
 
 def step_tensor(param: torch.Tensor, *, fused: bool, value: torch.Tensor | float = 0.0) -> torch.Tensor:

@@ -153,7 +153,10 @@ class CpuMemoryTracker(TorchDispatchMode):
     def _update_tensor(self, t: torch.Tensor) -> None:
         st = _data_storage(t)
         if st is not None:
-            self._update(st, label=f"{self._op} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+            # a host tensor an op returned as such (the simulated GPU's copy to the host, simulated/device.py), else
+            # the op's context decides
+            host = True if self._host_pred is not None and self._host_pred(t) else None
+            self._update(st, host, label=f"{self._op} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                          if self.record_peak else "")
         elif hasattr(t, "__tensor_flatten__"):
             # A wrapper subclass (DTensor, FSDP2's parameters, grads and AdamW state) runs its ops on its inner

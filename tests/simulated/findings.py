@@ -122,6 +122,9 @@ def torch_offload_collectives(out: str) -> None:
         model = build_model("tiny-llama")
     policy = dataclasses.replace(policy_for(model, "full_shard", world=dist.get_world_size()), cpu_offload=True)
     sharded = torch_backend.shard_model(model, policy, device=SIM)
+    for m in sharded._fsdp_modules:  # real host tensors here (what the device group must refuse), and a CPU build
+        for fsdp_param in m._get_fsdp_state()._fsdp_param_group.fsdp_params:  # cannot pin them
+            fsdp_param.pin_memory = False
     model.to_empty(device="cpu")
     for p in model.parameters():
         assert isinstance(p, DTensor) and p.to_local().device.type == "cpu"

@@ -24,6 +24,7 @@ from shardtune import accelerator
 from shardtune.config.load import load_recipe
 from shardtune.errors import UserError
 from shardtune.simulated.allocator import AllocatorTracker
+from shardtune.simulated.host import is_host
 from shardtune.simulated.process_group import new_epoch, set_check_timeout
 from shardtune.trainer import train as T
 from shardtune.trainer.evaluate import exact_match
@@ -90,6 +91,9 @@ EXTRA: list[Row] = [
     # reference one, with the adapters off; FSDP2 must still see them as trained (objective.adapters_disabled)
     {"world": 1, "strategy": "no_shard", **_DEFAULTS, "precision": "bf16", "backend": "torch", "objective": "dpo",
      "offload": False, "tuning": "lora"},
+    # QLoRA on FSDP2: the array's two rows of the pair also offload, which the simulated GPU refuses for QLoRA
+    {"world": 2, "strategy": "full_shard", **_DEFAULTS, "precision": "bf16", "backend": "torch", "offload": False,
+     "tuning": "qlora"},
 ]
 
 
@@ -107,8 +111,8 @@ def known_failure(row: Row) -> str | None:
 
 def simulation_refusal(row: Row) -> str | None:
     """What the simulated GPU itself cannot run, refused in one line at setup (not by validate: a GPU runs it)."""
-    if row["backend"] == "torch" and row["offload"]:
-        return "engine.cpu_offload=true with engine.backend=torch does not run on the simulated GPU"
+    if row["backend"] == "torch" and row["offload"] and row["tuning"] == "qlora":
+        return "engine.cpu_offload=true with lora.quantize_base=nf4 and engine.backend=torch does not run on the simulated GPU"
     return None
 
 
@@ -162,6 +166,9 @@ def step_save_resume(row: Row, out: Path) -> None:
 def states_on_expected_devices(run: T.Run) -> None:
     """Sharded states where the recipe puts them: the simulated GPU, or the host under offload of full fine-tuning
     (adapters stay on the device); AdamW's step where its kernel reads it (accelerator.step_tensor)."""
+    if run.recipe.engine.backend == "torch":
+        fsdp2_states_where_expected(run)
+        return
     on_host = run.recipe.engine.cpu_offload and not run.recipe.lora.enabled
     for group in run.optimizer.param_groups:
         for p in group["params"]:
@@ -169,6 +176,22 @@ def states_on_expected_devices(run: T.Run) -> None:
             state = run.optimizer.state[p]
             assert state["exp_avg"].device == p.device
             assert state["step"].device.type == (p.device.type if group.get("fused") else "cpu")
+
+
+def fsdp2_states_where_expected(run: T.Run) -> None:
+    """FSDP2 under cpu_offload: every parameter's shard (adapters too), and its AdamW moments, on the host: the
+    simulated host here (simulated/fsdp2_offload.py); else on the simulated GPU."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    on_host = run.recipe.engine.cpu_offload
+    for group in run.optimizer.param_groups:
+        for p in group["params"]:
+            state = run.optimizer.state[p]
+            for t in (p, state["exp_avg"], state["exp_avg_sq"]):
+                assert is_host(local(t)) == on_host and local(t).is_meta, (type(local(t)), local(t).device)
 
 
 def run_rows(base: str, rows: list[Row], results: str) -> None:

@@ -1,8 +1,12 @@
-"""`shardtune plan --simulate` on the tiny LoRA recipe planned for a GPU, in two settings the bundled rows miss:
+"""`shardtune plan --simulate` on the tiny LoRA recipe planned for a GPU, in three settings the bundled rows miss:
   - LoRA on FSDP2 (engine.backend=torch): the simulated step runs (FSDP2 waits on an unused prefetch through
     torch.accelerator, which knows no simulated GPU) and is not above the plan by more than 5 %; the plan counts what
     FSDP2 holds: the frozen base in the model's dtype (our engine stores it in bf16) and the adapters computed in
-    bf16 like every other parameter (ours keep them fp32: a cast of each adapter's input);
+    bf16 like every other parameter (ours keep them fp32: a cast of each adapter's input), sharded among the units';
+  - LoRA on FSDP2 under cpu_offload: FSDP2's shards on the simulated host (simulated/fsdp2_offload.py), each gradient
+    copied to it (simulated/device.py `_to_copy`), AdamW stepping there: device and host within 5 % of the plan,
+    which counts every shard, the adapters' gradients and moments on the host (it counted the adapters on the device,
+    as our engine keeps them; the simulated GPU refused the combination);
   - cpu_offload with a shard group of one rank: the host shard is never the unit's gathered buffer
     (engine/flat_param.py `aliased`), so the unit is copied to the device and computed there, as on a GPU. Told
     apart by the offload flag: a simulated host shard is a meta tensor like the simulated device's, and comparing
@@ -41,3 +45,10 @@ def test_offloaded_units_compute_on_the_device_at_one_rank() -> None:
     # ... and the device the gathered units and the activations (the plan's peak, give or take: this LoRA row reads
     # 1.08, the adapters' recompute transient that the plan does not count yet).
     assert 0.95 <= sim["simulated_peak_bytes"] / sim["analytic_peak_bytes"] <= 1.10, sim
+
+
+def test_fsdp2_offload_step_agrees_with_the_plan() -> None:
+    sim = _simulate("engine.backend=torch", "engine.cpu_offload=true")
+    assert sim["world_size"] == 2 and sim["simulated_peak_bytes"] > 1e6 and sim["simulated_host_bytes"] > 1e6
+    assert 0.95 <= sim["simulated_peak_bytes"] / sim["analytic_peak_bytes"] <= 1.05, sim
+    assert abs(sim["simulated_host_bytes"] - sim["analytic_host_bytes"]) <= 0.05 * sim["analytic_host_bytes"], sim

@@ -1,12 +1,14 @@
 """The memory tracker's meta mode (what `plan --simulate` counts): meta storages have sizes but no bytes; live and
 peak bytes follow them exactly as the CPU mode follows host storages, frees included, and host stand-ins
-(plan/simulate.HostMeta) are counted apart."""
+(simulated/host.HostMeta) are counted apart."""
 from __future__ import annotations
 
 import torch
 
 from shardtune.memory import CpuMemoryTracker, free_storage
-from shardtune.plan.simulate import HostMeta, _host_empty, _is_host
+from shardtune.simulated.host import HostMeta
+from shardtune.simulated.host import host_empty as _host_empty
+from shardtune.simulated.host import is_host as _is_host
 
 
 def test_meta_mode_counts_meta_storages_and_frees() -> None:

@@ -21,7 +21,8 @@ MiB = 1 << 20
 def test_resident_buffers_are_pinned_at_their_size(monkeypatch) -> None:
     """A 405B unit shard (760 MiB) takes 760 MiB of pinned memory, given back when it dies; a transient copy's
     buffer is a cached power-of-two block; pageable host memory (AdamW's moments) is not pinned at all."""
-    from shardtune.plan.simulate import _host_empty, _is_host
+    from shardtune.simulated.host import host_empty as _host_empty
+    from shardtune.simulated.host import is_host as _is_host
 
     monkeypatch.setattr(accelerator, "make_host_buffer", _host_empty)  # what plan --simulate does
     sim = accelerator.SIMULATED

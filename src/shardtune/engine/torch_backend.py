@@ -115,7 +115,8 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     _states_to(module, device)
     mp = MixedPrecisionPolicy(param_dtype=policy.mixed_precision.param_dtype,
                               reduce_dtype=policy.mixed_precision.reduce_dtype)
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=accelerator.has_pinned_memory(device)) if policy.cpu_offload else OffloadPolicy()
+    # pinned on a GPU and on the simulated one (simulated/fsdp2_offload.py gives it pinned host shards)
+    offload = CPUOffloadPolicy(pin_memory=accelerator.is_accelerator(device)) if policy.cpu_offload else OffloadPolicy()
     reshard = policy.strategy is not ShardingStrategy.SHARD_GRAD_OP
     units = find_units(module, policy.unit_classes, policy.min_unit_params)
     # As torchtitan does: the embedding and the head are units of their own (when untied), so the root's gathered

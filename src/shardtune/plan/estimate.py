@@ -15,6 +15,9 @@ A step is walked as a few phases; each phase lists what is alive, by category, a
   unit-reduce    after the engine frees the unit: the flat grad, its cast to reduce_dtype, the P/W output
   root-gradcat / root-reduce: the same for the root unit at the very end of backward (other units' grads sharded)
   optimizer      sharded params + grads + AdamW moments + per-parameter temporaries
+  unit-gather    FSDP2 under cpu_offload only: a unit's backward prefetch, its shards copied to the device beside
+                 two gathered units, before any recompute
+  load           QLoRA on FSDP2 only: setup, the whole model on every device (not a step phase)
 Model states are always alive: sharded params (fp32 master, or the frozen base in its dtype), AdamW moments
 (allocated at the first step and kept), module buffers; sharded grads from earlier micro-steps.
 Activations per decoder layer (HF Llama/Mistral/Qwen2 blocks, sdpa): what autograd saves, counted storage by storage
@@ -367,6 +370,9 @@ def adapter_runs(stats: ModelStats, s: Setup) -> tuple[int, int]:
     from shardtune.engine.replicated import partition, run_sizes
 
     sizes = stats.lora_sizes()
+    if s.backend == "torch":  # FSDP2 shards each adapter like any parameter, over the shard group (dim 0, padded)
+        own = sum(-(-n // s.shard_size) for n in sizes)
+        return own, 0
     if not (s.shard_adapter_states and s.world > 1):
         return sum(sizes), sum(sizes)
     largest = max(run_sizes(sizes, partition(sizes, s.world), s.world))
@@ -453,7 +459,8 @@ def model_states(stats: ModelStats, s: Setup, step: StepFacts) -> ModelStates:
     # The adapters (engine/replicated.py): values whole on every rank; their gradient and AdamW state whole too, or
     # (shard_adapter_states) this rank's run only (at most lora_own); the fp32 bucket of local sums, lora_bucket.
     lora_own, lora_bucket = adapter_runs(stats, s) if s.lora else (0, 0)
-    states_params = shard_bytes + 4 * lora_p
+    # The adapters' fp32 values: whole on every rank beside the units (ours), or sharded like any parameter (FSDP2)
+    states_params = shard_bytes + 4 * (lora_own if s.backend == "torch" else lora_p)
     grads_full = 4 * train_shard + 4 * lora_own
     opt = 8 * train_shard + 8 * lora_own
     # Grads of earlier micro-steps: sharded fp32 (sync every micro-step) or unsharded fp32 per unit (no sync). The
@@ -466,7 +473,12 @@ def model_states(stats: ModelStats, s: Setup, step: StepFacts) -> ModelStates:
                                       sum(4 * u.trainable.padded_numel for u in units if u.trainable))
     host_per_rank = 0
     dev_params, dev_grads, dev_opt = states_params, grads_full, opt
-    if s.offload:  # model states move to the host; the device keeps the adapters' and what is gathered and in flight
+    if s.offload and s.backend == "torch":  # FSDP2: every shard (adapters too), its fp32 gradient, AdamW on the host
+        host_per_rank = states_params + grads_full + opt
+        grads_prev = 0
+        if not s.device_is_cpu:
+            dev_params = dev_grads = dev_opt = 0
+    elif s.offload:  # model states move to the host; the device keeps the adapters' and what is gathered and in flight
         host_per_rank = offloaded_host_bytes(units, s) + opt - 8 * lora_own
         grads_prev = adapters_prev if s.sync_every_microstep else grads_prev
         if not s.device_is_cpu:  # on a CPU run the host IS the device: offloading saves nothing there
@@ -548,7 +560,9 @@ def forward_gathered(stats: ModelStats, s: Setup, step: StepFacts) -> Gathered:
     held_fwd = root_held + (sum(unit_g) if keeps_units else (unit_g[-1] if unit_g else 0))
     prefetch_g = big if s.prefetch and not keeps_units else 0
     offload_copy = 0
-    if s.offload and not s.device_is_cpu:
+    # FSDP2 copies each parameter's shard in, casts it, and copies the cast into its all-gather buffer before the unit
+    # computes: nothing of it is alive at a compute peak (`plan --simulate`: 70B LoRA 4x24 read 0.937 with it counted)
+    if s.offload and not s.device_is_cpu and s.backend != "torch":
         # The H2D copy of a decoder unit's shards before its all-gather: the prefetched unit's. A unit waits for its
         # own gather (dropping its copy) before it prefetches the next (engine/unit.py), so one copy is alive at a
         # time. Not the root's: it is gathered once, before unit 0, and stays gathered until the end of backward
@@ -688,6 +702,24 @@ def optimizer_phase(s: Setup, step: StepFacts, states: ModelStates) -> dict[str,
             "activations": 0}
 
 
+def fsdp2_offload_gather_phase(s: Setup, step: StepFacts, states: ModelStates, acts: Activations,
+                               held: Gathered) -> dict[str, int]:
+    """FSDP2 under cpu_offload, the backward prefetch of unit i-1 as unit i's backward starts: every parameter's shard
+    of unit i-1 is copied to the device (and cast to the compute dtype) before the all-gather's output buffer is
+    allocated, with unit i gathered and nothing of unit i recomputed yet. Its copies are gone before unit i computes
+    (unit-backward does not count them). A MoE unit is mostly weights: its copies outweigh a recompute
+    (`plan --simulate`, Qwen3-30B-A3B LoRA 2x24 on FSDP2: the peak is here)."""
+    g = step.block_gathered
+    worst: dict[str, int] = {}
+    for i in range(1, len(step.blocks)):
+        copies = sum(f.shard_numel for f in step.blocks[i - 1].flats) * step.c
+        phase = {**states.static, "grads": max(states.grads_prev, sum(states.unit_grads[i + 1:])) + states.head_grad,
+                 "gathered": held.root_held + g[i] + g[i - 1] + copies,
+                 "activations": sum(acts.saved[:i + 1]) + acts.fetched(i) + acts.root_backward + step.bsh}
+        worst = max(worst, phase, key=lambda ph: sum(ph.values()))
+    return worst
+
+
 def fsdp2_load_phase(stats: ModelStats, s: Setup, states: ModelStates) -> dict[str, int]:
     """QLoRA on FSDP2's setup (trainer/parallelize.py, engine.backend=torch): torchao quantizes whole weights, so
     every rank materialises the whole model on its device, read from the files or drawn, in the model's dtype,
@@ -708,6 +740,8 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
               "unit-backward": unit_backward_phase(stats, s, step, states, acts, held),
               **reduction_phases(stats, s, step, states, acts, held),
               "optimizer": optimizer_phase(s, step, states)}
+    if s.backend == "torch" and s.offload and not s.device_is_cpu and len(step.blocks) > 1:
+        phases["unit-gather"] = fsdp2_offload_gather_phase(s, step, states, acts, held)
     if s.backend == "torch" and s.nf4:
         phases["load"] = fsdp2_load_phase(stats, s, states)
     totals = {k: sum(v.values()) for k, v in phases.items()}

@@ -13,9 +13,10 @@ How, and what it leaves out:
   - A DPO recipe with an SFT warm-up runs its first DPO step (`first_full_step`), the one the plan predicts.
   - The step runs min(grad_accum, 2) micro-steps: the plan's peak depends on grad_accum only through "earlier
     micro-steps' gradients exist" (> 1), which the second micro-step already has.
-  - Offloaded host buffers (`accelerator.host_empty`, `host_resident`) are meta tensors of class `HostMeta`: a CPU tensor of 100 GB
-    cannot be allocated here. Ops on them stay host (counted apart, as host bytes); their non-blocking `.to()` (the
-    engine's H2D copy, accelerator.copy_to_device) makes a new device tensor, as the copy on a GPU does.
+  - Offloaded host buffers (`accelerator.host_empty`, `host_resident`) are simulated host tensors (simulated/host.py
+    `HostMeta`): a CPU tensor of 100 GB cannot be allocated here. Ops on them stay host (counted apart, as host
+    bytes); their non-blocking `.to()` (the engine's H2D copy) makes a new device tensor, as the copy on a GPU does.
+    FSDP2's offloaded shards and gradients are simulated host tensors too (simulated/fsdp2_offload.py).
   - SDPA takes the kernel CUDA would (`_cuda_sdpa`: flash without a mask; with the packing mask the memory-efficient
     kernel and its per-layer bias), not the math path torch picks on meta.
   - Values are not computed (meta): the loss and norms read as 0. Packed rows' position ids read as zeros.
@@ -26,7 +27,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,31 +38,9 @@ import torch.distributed as dist
 from shardtune import accelerator
 from shardtune.plan.hardware import CUDA_CONTEXT
 from shardtune.simulated import device as simulated_device
+from shardtune.simulated.host import host_empty as _host_empty
+from shardtune.simulated.host import is_host as _is_host
 from shardtune.simulated.process_group import standing_in_for_world
-
-_HOST = threading.local()  # depth of HostMeta ops running now: their new storages are host memory
-
-
-def _in_host_op() -> bool:
-    return getattr(_HOST, "depth", 0) > 0
-
-
-class HostMeta(torch.Tensor):
-    """A simulated host (CPU) tensor: meta storage, so any size costs nothing; see the module docstring."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.to and kwargs.get("non_blocking"):  # the H2D copy: a new device tensor
-            src = args[0]
-            dtype = next((a for a in (*args[1:], kwargs.get("dtype")) if isinstance(a, torch.dtype)), src.dtype)
-            with torch._C.DisableTorchFunctionSubclass():
-                return torch.empty(src.shape, dtype=dtype, device="meta")
-        _HOST.depth = getattr(_HOST, "depth", 0) + 1
-        try:
-            return super().__torch_function__(func, types, args, kwargs)
-        finally:
-            _HOST.depth -= 1
 
 
 def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -86,18 +64,6 @@ def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
     out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)
     return out
-
-
-def _is_host(t: torch.Tensor | None) -> bool:
-    return isinstance(t, HostMeta) if t is not None else _in_host_op()
-
-
-def _host_empty(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
-    _HOST.depth = getattr(_HOST, "depth", 0) + 1
-    try:
-        return torch.Tensor._make_subclass(HostMeta, torch.empty(numel, dtype=dtype, device="meta"))
-    finally:
-        _HOST.depth -= 1
 
 
 @dataclass
@@ -144,13 +110,9 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(max(1, world // nodes))}
     saved_env = {k: os.environ.get(k) for k in env}
     F = torch.nn.functional
-    saved = (accelerator.make_host_buffer, par.init_into_shards, train.prepare_for_ranks, F.scaled_dot_product_attention,
-             torch.accelerator.current_stream)
+    saved = (accelerator.make_host_buffer, par.init_into_shards, train.prepare_for_ranks, F.scaled_dot_product_attention)
     os.environ.update(env)
     fsdp2_storage = _report_fsdp2_resizes()
-    # FSDP2 waits on a prefetched all-gather that backward never used (LoRA: a frozen unit) through
-    # torch.accelerator, which knows no simulated GPU: its current stream is the simulated one.
-    torch.accelerator.current_stream = lambda device=None: accelerator.current_stream(accelerator.SIMULATED)
     F.scaled_dot_product_attention = _cuda_sdpa
     accelerator.make_host_buffer = _host_empty
     par.init_into_shards = lambda *a, **k: None
@@ -167,8 +129,8 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
         alone.__exit__(None, None, None)
         dist.destroy_process_group()
         accelerator.forget_host_group()
-        (accelerator.make_host_buffer, par.init_into_shards, train.prepare_for_ranks, F.scaled_dot_product_attention,
-         torch.accelerator.current_stream) = saved
+        (accelerator.make_host_buffer, par.init_into_shards, train.prepare_for_ranks,
+         F.scaled_dot_product_attention) = saved
         fsdp2_storage()
         for k, v in saved_env.items():
             if v is None:

@@ -10,9 +10,12 @@ run. The seam itself (streams, events, the TRACE, pinned-buffer bookkeeping) is 
     the seam's own, so FSDP2's schedule is recorded in the same TRACE as our engine's.
   - Host reads of a meta tensor (`.item()`, `bool()`) give zero and are counted as host syncs; host<->device copies
     CUDA would run synchronously are counted; `Tensor.is_pinned()` reports the seam's pinned buffers as pinned.
+  - A device tensor copied to the host (`Tensor.to("cpu")`) becomes a simulated host tensor (simulated/host.py), so
+    FSDP2's gradient offload costs no host bytes here whatever the model's size.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from typing import Any
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune import accelerator
+from shardtune.simulated import host
 
 _STREAM_IDS = itertools.count()
 
@@ -85,9 +89,11 @@ def install() -> None:
         torch._register_device_module("meta", sys.modules[__name__])
         _allow_fsdp2_meta_parameters()
     torch.Tensor.is_pinned = _is_pinned  # type: ignore[method-assign]
+    _route_torch_accelerator_streams()
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_local_scalar_dense", _zero_scalar, "Meta")
     lib.impl("copy_", _meta_copy, "Meta")
+    lib.impl("_to_copy", _meta_to_copy, "Meta")
     _LIBS.append(lib)
 
 
@@ -122,12 +128,46 @@ def _meta_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False)
     return dst
 
 
+def _meta_to_copy(t: torch.Tensor, *, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
+                  pin_memory: bool | None = None, non_blocking: bool = False,
+                  memory_format: torch.memory_format | None = None) -> torch.Tensor:
+    """`Tensor.to` of a simulated GPU tensor: to the host, a simulated host tensor (simulated/host.py: no host bytes
+    allocated, any size; CUDA would copy a non-blocking one into pinned memory, a blocking one is a host sync);
+    otherwise a new meta tensor as torch's own meta kernel makes it."""
+    like = functools.partial(torch.empty_like, t, dtype=dtype or t.dtype, device="meta",
+                             memory_format=memory_format or torch.preserve_format)
+    if not t.is_meta:  # a host tensor to the simulated GPU (the target device picked this kernel)
+        return like().copy_(t, non_blocking=non_blocking)
+    if device is None or torch.device(device).type != "cpu":
+        return like()
+    if isinstance(t, host.HostMeta):
+        return host.host_like(like)
+    if not non_blocking:
+        accelerator.host_sync("d2h_pageable")
+        return host.host_like(like)
+    return accelerator.simulated_pinned_buffer(lambda: host.host_like(like), "cached")
+
+
+def _route_torch_accelerator_streams() -> None:
+    """FSDP2 waits on a prefetched all-gather that backward never used (LoRA, QLoRA: a frozen unit) through
+    `torch.accelerator.current_stream()`, which knows no simulated GPU: while the default group is the simulated
+    GPU's, that stream is the simulated one (a real accelerator beside it keeps its own)."""
+    real = torch.accelerator.current_stream
+
+    def current_stream(device: Any = None) -> Any:
+        if dist.is_initialized() and dist.get_backend() == accelerator.SIM_BACKEND:
+            return accelerator.current_stream(accelerator.SIMULATED)
+        return real(device)
+
+    torch.accelerator.current_stream = current_stream
+
+
 def _allow_fsdp2_meta_parameters() -> None:
-    """FSDP2's lazy init refuses parameters still on meta (a deferred init the user forgot to materialise). On the
-    simulated GPU meta IS the device: the check is skipped for param groups on it, and only there. The one override
-    of a private torch method in the simulation (beside the pinned-memory and host-read stand-ins below),
-    installed with the simulated backend, never on a real run; without it `engine.backend=torch`
-    cannot run a simulated step."""
+    """FSDP2's lazy init refuses parameters still on meta (a deferred init the user forgot to materialise), and,
+    under cpu_offload, shards not on the CPU. On the simulated GPU meta IS the device, and the simulated host is meta
+    too: both checks are skipped for param groups on it, and only there. The only overrides of private torch methods
+    in the simulation, installed with the simulated backend, never on a real run; without them
+    `engine.backend=torch` cannot run a simulated step."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     validate = FSDPParamGroup._validate_no_meta_params
@@ -137,3 +177,11 @@ def _allow_fsdp2_meta_parameters() -> None:
             validate(group)
 
     FSDPParamGroup._validate_no_meta_params = validate_off_the_simulated_gpu  # type: ignore[method-assign]
+
+    validate_offload = FSDPParamGroup._validate_cpu_offload_params
+
+    def validate_offload_off_the_simulated_gpu(group: FSDPParamGroup) -> None:  # its host is meta too (host.py)
+        if group.device.type != "meta":
+            validate_offload(group)
+
+    FSDPParamGroup._validate_cpu_offload_params = validate_offload_off_the_simulated_gpu  # type: ignore[method-assign]

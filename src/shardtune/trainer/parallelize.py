@@ -86,20 +86,25 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     if engine.backend == "torch":
         from shardtune.engine import torch_backend
 
-        if engine.cpu_offload and accelerator.is_simulated(device):  # FSDP2 copies each gradient to the host
-            raise UserError("engine.cpu_offload=true with engine.backend=torch does not run on the simulated GPU "
-                            "(FSDP2 copies gradients to the host, which the simulation cannot give): plan it without "
-                            "--simulate, or simulate engine.backend=shardtune")
+        if engine.cpu_offload and policy.quantize_base and accelerator.is_simulated(device):
+            raise UserError("engine.cpu_offload=true with lora.quantize_base=nf4 and engine.backend=torch does not run "
+                            "on the simulated GPU (torchao's NF4 weights on the host): plan it without --simulate, or "
+                            "simulate engine.backend=shardtune")
 
         if not policy.quantize_base:
             # fully_shard on meta, then each rank makes only its own chunks (engine/fsdp2_init.py); the simulated
-            # GPU's chunks are meta already
-            sharded = torch_backend.shard_model(model, policy, device=device)
-            if (pretrained is not None or random_meta) and not accelerator.is_simulated(device):
-                from shardtune.engine.fsdp2_init import fill_local_shards
+            # GPU's chunks are meta already, or, under offload, host buffers of their size
+            from shardtune.engine import fsdp2_init
 
-                fill_local_shards(model, device=device, host=policy.cpu_offload, pretrained=pretrained,
-                                  seed=recipe.train.seed, dtype=init_dtype)
+            sharded = torch_backend.shard_model(model, policy, device=device)
+            if accelerator.is_simulated(device):
+                if policy.cpu_offload:
+                    from shardtune.simulated.fsdp2_offload import offload_shards
+
+                    offload_shards(sharded._fsdp_modules)
+            elif pretrained is not None or random_meta:
+                fsdp2_init.fill_local_shards(model, device=device, host=policy.cpu_offload, pretrained=pretrained,
+                                             seed=recipe.train.seed, dtype=init_dtype)
             return sharded
         # QLoRA on FSDP2: torchao quantizes whole weights into NF4Tensor parameters (its FSDP2 hooks shard them), so
         # every rank holds the whole model on its device first (plan/estimate.py fsdp2_load_phase)
