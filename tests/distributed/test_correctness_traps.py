@@ -71,20 +71,27 @@ def _sharded_init(lora: bool) -> None:
 
 
 # -- FSDP2's init, sharded ---------------------------------------------------------------------------------------------
-def _fsdp2_init(root: str, pretrained: bool) -> None:
-    """engine.backend=torch: fully_shard on meta, then each rank makes only its own chunks (engine/fsdp2_init.py).
-    The gathered weights equal the whole-model init, or the checkpoint (several files), bit for bit; a rank's peak
-    while building is its chunks plus one module, never the model (FSDP2's load of the whole model was)."""
-    overrides = ["engine.backend=torch"]
+def _fsdp2_recipe_and_whole(root: str, pretrained: bool, name: str, *, seed: int,
+                            extra: tuple[str, ...] = ()) -> tuple:
+    """tiny-cpu on FSDP2 (random, or a checkpoint of several files written to `root`/`name`), and its whole model."""
+    overrides = ["engine.backend=torch", *extra]
     if pretrained:
-        path = Path(root) / "fsdp2-checkpoint"
+        path = Path(root) / name
         if dist.get_rank() == 0:
-            build_model("tiny-llama", seed=3).save_pretrained(path, max_shard_size="300KB")
+            build_model("tiny-llama", seed=seed).save_pretrained(path, max_shard_size="300KB")
         dist.barrier()
         overrides += ["model.init=pretrained", f"model.path={path}", "model.config=null"]
     recipe = load_recipe("tiny-cpu", overrides)
     whole = (AutoModelForCausalLM.from_pretrained(recipe.model.path) if pretrained
              else build_recipe_model(recipe.model, seed=recipe.train.seed))
+    return recipe, whole
+
+
+def _fsdp2_init(root: str, pretrained: bool) -> None:
+    """engine.backend=torch: fully_shard on meta, then each rank makes only its own chunks (engine/fsdp2_init.py).
+    The gathered weights equal the whole-model init, or the checkpoint (several files), bit for bit; a rank's peak
+    while building is its chunks plus one module, never the model (FSDP2's load of the whole model was)."""
+    recipe, whole = _fsdp2_recipe_and_whole(root, pretrained, "fsdp2-checkpoint", seed=3)
     reference = dict(whole.named_parameters())
     largest_module = max(sum(p.nbytes for p in m.parameters(recurse=False)) for m in whole.modules())
     tracker = CpuMemoryTracker().start()
@@ -101,6 +108,49 @@ def _fsdp2_init(root: str, pretrained: bool) -> None:
         assert set(full) == set(reference), sorted(set(full) ^ set(reference))[:4]
         for name, t in full.items():
             assert torch.equal(t, reference[name].detach()), name
+
+
+def _fsdp2_qlora_init(root: str, pretrained: bool) -> None:
+    """QLoRA on FSDP2: torchao quantizes whole weights before fully_shard, so each unit's quantized weights are made
+    (read or drawn, one weight at a time) just before FSDP2 shards that unit (engine/fsdp2_init.py
+    quantized_weights_maker), the rest as a rank's rows after. The NF4 weights gathered equal those of the whole
+    model quantized, bit for bit (every part); while building, a rank holds what it keeps plus one unit, never the
+    model (the whole-model load, before: its peak was the whole model in fp32)."""
+    recipe, whole = _fsdp2_recipe_and_whole(root, pretrained, "fsdp2-qlora-checkpoint", seed=4,
+                                            extra=("lora.enabled=true", "lora.quantize_base=nf4"))
+    # The reference: the whole model made first (the old path), then quantized and sharded.
+    parallelize(whole, recipe, device=CPU, world_size=dist.get_world_size())
+    reference = _local_parts(whole)
+    del whole
+    tracker = CpuMemoryTracker().start()
+    base = tracker.live_bytes()
+    model = build_recipe_model(recipe.model, seed=recipe.train.seed, sharded_init=True)
+    unit_bytes = max(sum(p.numel() * 4 for p in layer.parameters()) for layer in model.model.layers)
+    largest_module = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in model.modules())
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    sharded = parallelize(model, recipe, device=CPU, world_size=dist.get_world_size())
+    kept = tracker.live_bytes() - base
+    peak = tracker.peak_bytes() - base
+    tracker.stop()
+    # beyond what it keeps: one unit (fp32, an upper bound of its NF4 weights) and one module's transients
+    assert peak - kept <= unit_bytes + 3 * largest_module, (peak, kept, unit_bytes, largest_module, model_bytes)
+    got = _local_parts(sharded.module)
+    assert set(got) == set(reference) and any(k.endswith(".quantized_data") for k in got), sorted(got)[:6]
+    for name, t in got.items():  # the adapters: drawn by peft on a whole model, seeded on a meta one (not compared)
+        assert "lora_" in name or torch.equal(t, reference[name]), name
+
+
+def _local_parts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's chunk of every parameter (an NF4 weight's as each of its parts): name -> tensor."""
+    out = {}
+    for name, p in model.named_parameters():
+        local = p.detach().to_local()
+        parts = getattr(local, "__tensor_flatten__", None)
+        for part in parts()[0] if parts is not None else ():
+            out[f"{name}.{part}"] = getattr(local, part)
+        if parts is None:
+            out[name] = local
+    return out
 
 
 # -- bf16 masters -----------------------------------------------------------------------------------------------------
@@ -262,7 +312,7 @@ def _generate(backend: str) -> None:
 
 def _all(kind: str, **kw) -> None:
     {"init": _sharded_init, "mismatch": _mismatch, "resume": _resume, "generate": _generate,
-     "bf16": _bf16_masters, "fsdp2_init": _fsdp2_init}[kind](**kw)
+     "bf16": _bf16_masters, "fsdp2_init": _fsdp2_init, "fsdp2_qlora_init": _fsdp2_qlora_init}[kind](**kw)
 
 
 def test_traps_1_rank() -> None:
@@ -275,7 +325,9 @@ def test_traps_2_ranks() -> None:
                                   dict(kind="mismatch", root=tmp), dict(kind="resume", strategy="no_shard", root=tmp),
                                   dict(kind="generate", backend="shardtune"), dict(kind="generate", backend="torch"),
                                   dict(kind="fsdp2_init", root=tmp, pretrained=False),
-                                  dict(kind="fsdp2_init", root=tmp, pretrained=True)],
+                                  dict(kind="fsdp2_init", root=tmp, pretrained=True),
+                                  dict(kind="fsdp2_qlora_init", root=tmp, pretrained=False),
+                                  dict(kind="fsdp2_qlora_init", root=tmp, pretrained=True)],
                         timeout_s=60)
 
 

@@ -11,12 +11,18 @@ holding it (tied weights stay one parameter), by a new DTensor parameter of the 
 whose local tensor is the rank's rows (FSDP2 shards dim 0: `compute_local_shape_and_global_offset` gives them). FSDP2
 adopts the new parameters at its lazy init (`FSDPParam.reset_sharded_param`: it pads them, and pins them under
 cpu_offload). The local chunk lives on the host under cpu_offload (FSDP2's offload policy wants it there), else on
-the device. QLoRA is not this path: torchao quantizes whole weights before `fully_shard` (trainer/parallelize.py).
+the device.
+
+QLoRA: torchao quantizes whole weights into NF4Tensor parameters before `fully_shard` (its FSDP2 hooks shard them).
+`quantized_weights_maker` makes one unit's quantized weights just before FSDP2 shards that unit, one weight at a time;
+everything else is filled as above, after sharding. A rank holds the shards so far, one unit's NF4 weights whole and
+one weight's transients, never the whole model.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,6 +66,45 @@ def fill_local_shards(model: nn.Module, *, device: torch.device, host: bool, pre
             ckpt.load_buffers(model)
 
 
+def quantized_weights_maker(model: nn.Module, entries: list, *, device: torch.device,
+                            ckpt: CheckpointFiles | None, seed: int, dtype: torch.dtype,
+                            compute: torch.dtype) -> Callable[[nn.Module], None]:
+    """QLoRA on FSDP2: a callable that, given a module FSDP2 is about to shard (torch_backend.shard_model's
+    `before_shard`), makes that module's quantized weights (`entries`: (name, param, locations) of
+    layout.group_unit_params' `quantized`) not made yet, one at a time: read from `ckpt` (in the model's dtype on the
+    host), or drawn whole with the seeded init (in `dtype`), or taken as they are (already made, or meta on the
+    simulated GPU); quantized onto `device` in chunks through `compute` (nf4.quantize: bit-identical to torchao's
+    `to_nf4`, whose own transients are 2 x 16 values per element of the weight, up to 1 Mi elements), into an
+    NF4Tensor parameter over its bytes. The values equal a whole-model load or init, then quantization."""
+    from shardtune.engine.nf4 import nf4_view, quantize
+    from shardtune.engine.nf4_layout import Nf4Layout
+
+    path_of = {id(m): n for n, m in model.named_modules()}
+    pending = {name: (p, locations) for name, p, locations in entries}
+
+    def make(module: nn.Module) -> None:
+        prefix = path_of[id(module)]
+        for name in [n for n in pending if not prefix or n.startswith(prefix + ".")]:
+            p, locations = pending.pop(name)
+            if not p.is_meta or device.type == "meta":
+                w = p.detach()
+            elif ckpt is not None:
+                key = checkpoint_key(name)
+                w = ckpt.handle(key).get_tensor(key).to(p.dtype)
+            else:
+                path, _, attr = name.rpartition(".")
+                w = _drawn(model, path, model.get_submodule(path), [attr], [p.shape], seed=seed, dtype=dtype)[0]
+            layout = Nf4Layout.of(p.shape, compute)
+            flat = w.reshape(-1)
+            nf4 = nf4_view(quantize(lambda a, m, flat=flat: flat[a:a + m], layout, device), layout)
+            param = nn.Parameter(nf4, requires_grad=False)
+            for holder, attr in locations:
+                holder._parameters[attr] = param
+            del w, flat
+
+    return make
+
+
 def _rows(p: DTensor) -> tuple[int, int]:
     """(first row, row count) of this rank's chunk: FSDP2 shards dim 0, replicas hold the same rows."""
     assert all(isinstance(pl, Shard) and pl.dim == 0 or pl.is_replicate() for pl in p.placements), p.placements
@@ -76,18 +121,27 @@ def _read_chunk(ckpt: CheckpointFiles, key: str, p: DTensor) -> torch.Tensor:
     return read_flat_range(ckpt.handle(key), key, first * row, count * row).reshape(local_shape)
 
 
-@torch.no_grad()
 def _drawn_chunks(model: nn.Module, path: str, module: nn.Module, attrs: list[str], old: list[DTensor], *, seed: int,
                   dtype: torch.dtype) -> list[torch.Tensor]:
     """The module drawn whole on the host (as `init_full` draws it), then cut to this rank's rows."""
-    whole = [nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=False) for p in old]
+    chunks = []
+    for p, w in zip(old, _drawn(model, path, module, attrs, [p.shape for p in old], seed=seed, dtype=dtype),
+                    strict=True):
+        first, count = _rows(p)
+        chunks.append(w[first:first + count] if p.dim() else w)
+    return chunks
+
+
+@torch.no_grad()
+def _drawn(model: nn.Module, path: str, module: nn.Module, attrs: list[str], shapes: list[torch.Size], *, seed: int,
+           dtype: torch.dtype) -> list[torch.Tensor]:
+    """`module`'s parameters `attrs` drawn whole on the host with the module's seeded init (as `init_full` draws
+    them); the module's own parameters are put back."""
+    old = [module._parameters[a] for a in attrs]
+    whole = [nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False) for shape in shapes]
     for a, w in zip(attrs, whole, strict=True):
         module._parameters[a] = w  # the init reads the module's own parameters
     init_module(model, path, module, seed=seed)
-    chunks = []
-    for p, w in zip(old, whole, strict=True):
-        first, count = _rows(p)
-        chunks.append(w.data[first:first + count] if p.dim() else w.data)
     for a, p in zip(attrs, old, strict=True):
-        module._parameters[a] = p  # put back until the caller installs the chunk at every holder
-    return chunks
+        module._parameters[a] = p  # put back until the caller installs what it keeps
+    return [w.data for w in whole]

@@ -5,7 +5,7 @@ summed over ranks, AdamW groups split by `no_weight_decay`, full state dict stre
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -110,7 +110,10 @@ class TorchShardedModel:
         set_state_dict(self.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device) -> TorchShardedModel:
+def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.device,
+                before_shard: Callable[[nn.Module], None] | None = None) -> TorchShardedModel:
+    """`fully_shard` per unit, the tables, then the root. `before_shard(m)`, when given, runs just before each
+    module is sharded (QLoRA: its weights made and quantized then, engine/fsdp2_init.py)."""
     mesh = build_mesh(device.type, policy.strategy, policy.hybrid_shard_size)
     _states_to(module, device)
     mp = MixedPrecisionPolicy(param_dtype=policy.mixed_precision.param_dtype,
@@ -124,14 +127,19 @@ def shard_model(module: nn.Module, policy: ShardingPolicy, *, device: torch.devi
     # backward when it trains); the head is the first unit backward needs, so it stays gathered (reshard=False).
     emb, head = (table_units(module) if splits_vocab(policy.vocab_parallel, shard_size=mesh.size(-1))
                  else (None, None))
+    def shard(m: nn.Module, reshard_after_forward: bool) -> None:
+        if before_shard is not None:
+            before_shard(m)
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
+
     if emb is not None:
-        fully_shard(emb, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        shard(emb, reshard)
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        shard(unit, reshard)
     if head is not None:
-        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+        shard(head, False)
     # The root is the last unit FSDP2 runs backward for; it keeps its params for backward (reshard=False).
-    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    shard(module, False)
     sharded = TorchShardedModel(module, policy, mesh, device)
     for m in sharded._fsdp_modules:
         # Our contract: sum over ranks (the loss is already globally normalised). Forcing a plain SUM also avoids

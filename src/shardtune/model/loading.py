@@ -143,13 +143,3 @@ def _check_same_files(ckpt: CheckpointFiles, keys: list[str], device: torch.devi
 def _range_reader(ckpt: CheckpointFiles, key: str) -> Any:
     handle = ckpt.handle(key)
     return lambda start, length: read_flat_range(handle, key, start, length)
-
-
-def load_full(module: nn.Module, path: Path, device: torch.device) -> None:
-    """Unsharded fallback (engine.backend=torch): materialise every meta parameter on `device` from the files."""
-    with CheckpointFiles(path) as ckpt:
-        for name, p in module.named_parameters():
-            if p.is_meta:
-                key = checkpoint_key(name)
-                p.data = ckpt.handle(key).get_tensor(key).to(device=device, dtype=p.dtype)
-        ckpt.load_buffers(module)

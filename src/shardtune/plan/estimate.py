@@ -17,7 +17,7 @@ A step is walked as a few phases; each phase lists what is alive, by category, a
   optimizer      sharded params + grads + AdamW moments + per-parameter temporaries
   unit-gather    FSDP2 under cpu_offload only: a unit's backward prefetch, its shards copied to the device beside
                  two gathered units, before any recompute
-  load           QLoRA on FSDP2 only: setup, the whole model on every device (not a step phase)
+  load           QLoRA on FSDP2 only: setup, the shards plus one unit's NF4 weights whole (not a step phase)
 Model states are always alive: sharded params (fp32 master, or the frozen base in its dtype), AdamW moments
 (allocated at the first step and kept), module buffers; sharded grads from earlier micro-steps.
 Activations per decoder layer (HF Llama/Mistral/Qwen2 blocks, sdpa): what autograd saves, counted storage by storage
@@ -720,13 +720,13 @@ def fsdp2_offload_gather_phase(s: Setup, step: StepFacts, states: ModelStates, a
     return worst
 
 
-def fsdp2_load_phase(stats: ModelStats, s: Setup, states: ModelStates) -> dict[str, int]:
-    """QLoRA on FSDP2's setup (trainer/parallelize.py, engine.backend=torch): torchao quantizes whole weights, so
-    every rank materialises the whole model on its device, read from the files or drawn, in the model's dtype,
-    before fully_shard keeps its shard. Otherwise FSDP2 shards on meta and each rank makes its own chunks
-    (engine/fsdp2_init.py), as our engine fills its shards: no such phase."""
-    whole = stats.num_params * _size(DTYPES[stats.recipe.model.dtype]) + 4 * states.lora_params
-    return {"params": whole, "buffers": states.static.get("buffers", 0)}
+def fsdp2_load_phase(s: Setup, step: StepFacts, states: ModelStates) -> dict[str, int]:
+    """QLoRA on FSDP2's setup (trainer/parallelize.py, engine.backend=torch): torchao's NF4Tensor parameters are
+    quantized whole before fully_shard, so each unit's NF4 weights are made whole just before FSDP2 shards that unit
+    (engine/fsdp2_init.py quantized_weights_maker), one weight at a time, in chunks: at worst the shards kept plus
+    the largest unit's NF4 weights whole. (It was the whole model in the model's dtype: 263 GiB at 70B.)"""
+    whole_unit = max((sum(f.padded_numel for f in u.flats if f.dtype == torch.uint8) for u in step.units), default=0)
+    return {"params": states.static["params"], "gathered": whole_unit, "buffers": states.static.get("buffers", 0)}
 
 
 def estimate(stats: ModelStats, s: Setup) -> Estimate:
@@ -743,7 +743,7 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
     if s.backend == "torch" and s.offload and not s.device_is_cpu and len(step.blocks) > 1:
         phases["unit-gather"] = fsdp2_offload_gather_phase(s, step, states, acts, held)
     if s.backend == "torch" and s.nf4:
-        phases["load"] = fsdp2_load_phase(stats, s, states)
+        phases["load"] = fsdp2_load_phase(s, step, states)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak = max(totals, key=totals.__getitem__)  # the first phase on a tie
     per_rank = {f"{k}_bytes": phases[peak].get(k, 0) for k in CATEGORIES}

@@ -138,7 +138,7 @@ def advice(plan: Plan) -> list[str]:
     """Each single change that makes the plan fit, with its predicted peak (best first)."""
     s = plan.setup
     tries: list[tuple[str, Plan]] = []
-    if s.backend == "torch":  # QLoRA on FSDP2 loads the whole model on every GPU first (estimate.fsdp2_load_phase)
+    if s.backend == "torch":  # FSDP2 holds more than ours (LoRA: the frozen base in the model's dtype, sharded adapters)
         tries.append(("engine.backend=shardtune", _backend_variant(plan)))
     if not s.offload:
         tries.append(("engine.cpu_offload=true", variant(plan, offload=True)))

@@ -9,6 +9,7 @@ Transforms run in a fixed order, and the order matters:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -25,10 +26,10 @@ from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import find_units, resolve_unit_classes
 from shardtune.errors import UserError
 from shardtune.hub import WEIGHTS, model_dir
-from shardtune.model.loading import load_full, load_into_shards
+from shardtune.model.loading import CheckpointFiles, load_into_shards
 from shardtune.model.lora import apply_lora
 from shardtune.model.moe_checks import moe_problems
-from shardtune.model.seeded_init import init_full, init_into_shards
+from shardtune.model.seeded_init import init_into_shards
 from shardtune.model.tiled_mlp import apply_sequence_chunking
 from shardtune.trainer.resolve import resolve_engine
 
@@ -91,33 +92,32 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
                             "on the simulated GPU (torchao's NF4 weights on the host): plan it without --simulate, or "
                             "simulate engine.backend=shardtune")
 
-        if not policy.quantize_base:
-            # fully_shard on meta, then each rank makes only its own chunks (engine/fsdp2_init.py); the simulated
-            # GPU's chunks are meta already, or, under offload, host buffers of their size
-            from shardtune.engine import fsdp2_init
+        # fully_shard on meta, then each rank makes only its own chunks (engine/fsdp2_init.py); the simulated GPU's
+        # chunks are meta already, or, under offload, host buffers of their size. QLoRA: torchao quantizes whole
+        # weights before fully_shard, so each unit's quantized weights are made just before FSDP2 shards it, one
+        # weight at a time (plan/estimate.py fsdp2_load_phase counts one unit whole).
+        from shardtune.engine import fsdp2_init
 
-            sharded = torch_backend.shard_model(model, policy, device=device)
-            if accelerator.is_simulated(device):
-                if policy.cpu_offload:
-                    from shardtune.simulated.fsdp2_offload import offload_shards
+        simulated = accelerator.is_simulated(device)
+        make = None
+        with CheckpointFiles(pretrained) if pretrained is not None and policy.quantize_base else \
+                contextlib.nullcontext() as ckpt:
+            if policy.quantize_base:
+                from shardtune.engine.layout import group_unit_params
 
-                    offload_shards(sharded._fsdp_modules)
-            elif pretrained is not None or random_meta:
-                fsdp2_init.fill_local_shards(model, device=device, host=policy.cpu_offload, pretrained=pretrained,
-                                             seed=recipe.train.seed, dtype=init_dtype)
-            return sharded
-        # QLoRA on FSDP2: torchao quantizes whole weights into NF4Tensor parameters (its FSDP2 hooks shard them), so
-        # every rank holds the whole model on its device first (plan/estimate.py fsdp2_load_phase)
-        if pretrained is not None:
-            load_full(model, pretrained, device)
-        elif random_meta:
-            init_full(model, seed=recipe.train.seed, dtype=init_dtype, device=device)
-        from shardtune.engine.layout import group_unit_params
-        from shardtune.engine.nf4 import quantize_parameters
+                make = fsdp2_init.quantized_weights_maker(
+                    model, [e for up in group_unit_params(model, policy) for e in up.quantized], device=device,
+                    ckpt=ckpt, seed=recipe.train.seed, dtype=init_dtype, compute=policy.mixed_precision.param_dtype)
+            sharded = torch_backend.shard_model(model, policy, device=device, before_shard=make)
+        if simulated:
+            if policy.cpu_offload:
+                from shardtune.simulated.fsdp2_offload import offload_shards
 
-        quantize_parameters(model, [e for up in group_unit_params(model, policy) for e in up.quantized],
-                            policy.mixed_precision.param_dtype)
-        return torch_backend.shard_model(model, policy, device=device)
+                offload_shards(sharded._fsdp_modules)
+        elif pretrained is not None or random_meta:
+            fsdp2_init.fill_local_shards(model, device=device, host=policy.cpu_offload, pretrained=pretrained,
+                                         seed=recipe.train.seed, dtype=init_dtype)
+        return sharded
     from shardtune.engine import shard
 
     sharded = shard.shard_model(model, policy, device=device)
