@@ -135,6 +135,9 @@ def _fsdp2_qlora_init(root: str, pretrained: bool) -> None:
     # beyond what it keeps: one unit (fp32, an upper bound of its NF4 weights) and one module's transients
     assert peak - kept <= unit_bytes + 3 * largest_module, (peak, kept, unit_bytes, largest_module, model_bytes)
     got = _local_parts(sharded.module)
+    # what it keeps is its chunks (an NF4 chunk must not hold its whole weight's bytes alive: views of one region did)
+    held = sum(t.nbytes for t in got.values()) + sum(b.nbytes for b in sharded.module.buffers())
+    assert kept <= held + (16 << 10), (kept, held)
     assert set(got) == set(reference) and any(k.endswith(".quantized_data") for k in got), sorted(got)[:6]
     for name, t in got.items():  # the adapters: drawn by peft on a whole model, seeded on a meta one (not compared)
         assert "lora_" in name or torch.equal(t, reference[name]), name

@@ -75,8 +75,8 @@ def quantized_weights_maker(model: nn.Module, entries: list, *, device: torch.de
     host), or drawn whole with the seeded init (in `dtype`), or taken as they are (already made, or meta on the
     simulated GPU); quantized onto `device` in chunks through `compute` (nf4.quantize: bit-identical to torchao's
     `to_nf4`, whose own transients are 2 x 16 values per element of the weight, up to 1 Mi elements), into an
-    NF4Tensor parameter over its bytes. The values equal a whole-model load or init, then quantization."""
-    from shardtune.engine.nf4 import nf4_view, quantize
+    NF4Tensor parameter owning its parts. The values equal a whole-model load or init, then quantization."""
+    from shardtune.engine.nf4 import nf4_owning, quantize
     from shardtune.engine.nf4_layout import Nf4Layout
 
     path_of = {id(m): n for n, m in model.named_modules()}
@@ -96,7 +96,7 @@ def quantized_weights_maker(model: nn.Module, entries: list, *, device: torch.de
                 w = _drawn(model, path, model.get_submodule(path), [attr], [p.shape], seed=seed, dtype=dtype)[0]
             layout = Nf4Layout.of(p.shape, compute)
             flat = w.reshape(-1)
-            nf4 = nf4_view(quantize(lambda a, m, flat=flat: flat[a:a + m], layout, device), layout)
+            nf4 = nf4_owning(quantize(lambda a, m, flat=flat: flat[a:a + m], layout, device), layout)
             param = nn.Parameter(nf4, requires_grad=False)
             for holder, attr in locations:
                 holder._parameters[attr] = param

@@ -143,6 +143,15 @@ def nf4_view(buf: torch.Tensor, layout: Nf4Layout, *, cls: type[NF4Tensor] = NF4
     )
 
 
+def nf4_owning(buf: torch.Tensor, layout: Nf4Layout) -> NF4Tensor:
+    """An NF4Tensor whose parts are copies of `buf`'s, each with its own storage, as torchao's `to_nf4` makes them:
+    FSDP2's shards of it (torchao's split) are views of its parts, which would keep a shared region whole."""
+    v = nf4_view(buf, layout)
+    return NF4Tensor(SubclassTensorArgs(v.shape, v.stride(), v.storage_offset(), v.dtype, v.device, False),
+                     v.block_size, v.n_blocks, v.scaler_block_size, v.quantized_scalers.clone(),
+                     v.quantization_factor.clone(), v.scaler_mean.clone(), v.quantized_data.clone(), v.nf4)
+
+
 def dequantize(buf: torch.Tensor, layout: Nf4Layout) -> torch.Tensor:
     """The weight as the matmul sees it, in the model's storage order (layout.shape, layout.dtype)."""
     w = nf4_view(buf, layout).get_original_weight().view(layout.quantized_shape)
