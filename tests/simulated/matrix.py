@@ -3,8 +3,8 @@ a resume, an export and a greedy generation on the simulated GPU (every rank a p
 across ranks: simulated/process_group.py), through the same recipe -> engine path as `train` (recipe overrides on
 tiny-cpu, `train.setup`).
 
-The rows are an all-pairs covering array (pairwise.py). A row the product refuses (`load_recipe` raises the
-UserError `shardtune validate` prints) is not run: test_matrix.py asserts the refusal through the executable.
+The rows are an all-pairs covering array (pairwise.py). A row the product refuses (`load_recipe` or `check_world`
+raises the UserError `shardtune validate` prints) is not run: test_matrix.py asserts the refusal through the executable.
 Rows of one world size run in one start of ranks; each row's outcome (None, or the failing rank's traceback) is
 written to a file per rank, so one failing row does not hide the others (test_matrix.py reports them per row).
 """
@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from shardtune import accelerator
 from shardtune.config.load import load_recipe
+from shardtune.config.schema import check_world
 from shardtune.errors import UserError
 from shardtune.simulated.allocator import AllocatorTracker
 from shardtune.simulated.host import is_host
@@ -62,7 +63,7 @@ def overrides(row: Row) -> list[str]:
            f"engine.reduce_dtype={row['reduce_dtype']}", f"engine.activation_checkpointing={row['checkpointing']}",
            f"engine.cpu_offload={row['offload']}", f"engine.vocab_parallel={row['vocab_parallel']}",
            f"engine.shard_adapter_states={row['shard_adapter_states']}", f"engine.backend={row['backend']}",
-           f"train.grad_accum={row['grad_accum']}", *TUNING[row["tuning"]],
+           f"train.grad_accum={row['grad_accum']}", f"launch.nproc_per_node={row['world']}", *TUNING[row["tuning"]],
            *(DPO if row["objective"] == "dpo" else ())]
     if row["strategy"] == "hybrid_shard":  # 2 replicas of W/2 ranks: 2x2 at W=4, 2x4 at W=8
         out.append(f"engine.hybrid_shard_size={max(1, row['world'] // 2)}")
@@ -72,7 +73,7 @@ def overrides(row: Row) -> list[str]:
 def refusal(row: Row) -> str | None:
     """The product's own answer: the one line `shardtune validate` prints for this row, or None."""
     try:
-        load_recipe("tiny-cpu", [*BASE, *overrides(row)])
+        check_world(load_recipe("tiny-cpu", [*BASE, *overrides(row)]), row["world"])
     except UserError as e:
         return str(e)
     return None

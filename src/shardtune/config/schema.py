@@ -129,13 +129,22 @@ class EngineConfig:
             _check(self.hybrid_shard_size >= 1, "engine.hybrid_shard_size", f"must be >= 1, got {self.hybrid_shard_size}")
 
 
-def check_world(engine: EngineConfig, world_size: int, local_world_size: int | None = None) -> None:
+def check_world(recipe: Recipe, world_size: int, local_world_size: int | None = None) -> None:
     """Sharding that cannot work on this world size is a user error, found before any model is built."""
+    engine = recipe.engine
+    shard = world_size
     if engine.strategy == "hybrid_shard":
-        size = engine.hybrid_shard_size or local_world_size or world_size
-        if size > world_size or world_size % size:
-            raise UserError(f"engine.hybrid_shard_size={size} does not divide the world size {world_size}: "
+        shard = engine.hybrid_shard_size or local_world_size or world_size
+        if shard > world_size or world_size % shard:
+            raise UserError(f"engine.hybrid_shard_size={shard} does not divide the world size {world_size}: "
                             f"pick a divisor of {world_size}")
+    elif engine.strategy == "no_shard":
+        shard = 1
+    if shard == 1 and engine.backend == "torch" and recipe.lora.enabled and recipe.lora.quantize_base == "nf4":
+        # torch 2.13's FSDP2 builds a one-rank group's parameters from one all-gather input; torchao's NF4 has three
+        raise UserError("lora.quantize_base=nf4 with engine.backend=torch needs a shard group of 2+ ranks (FSDP2 "
+                        f"cannot unshard torchao's NF4 weights in a group of one; here {world_size} rank(s), "
+                        f"engine.strategy={engine.strategy}): use engine.backend=shardtune, or full_shard on 2+ GPUs")
 
 
 @dataclass(kw_only=True)

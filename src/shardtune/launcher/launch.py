@@ -51,7 +51,7 @@ def workers_per_node(recipe: Recipe) -> int:
 def check_launch(recipe: Recipe) -> int:
     """Everything we can check before a process starts; returns workers per node."""
     nproc = workers_per_node(recipe)
-    check_world(recipe.engine, nproc * recipe.launch.nnodes, nproc)
+    check_world(recipe, nproc * recipe.launch.nnodes, nproc)
     if recipe.launch.nnodes > 1 and not recipe.launch.rdzv_endpoint:
         raise UserError("launch.nnodes > 1 needs launch.rdzv_endpoint=HOST:PORT (the first node's address)")
     explicit_resume_dir(recipe.train.resume)  # a bad path fails here, not after the workers have started

@@ -85,7 +85,7 @@ def job_launch_keys(recipe: Recipe, job: SlurmJob) -> dict[str, str]:
             raise UserError("launch.device=cuda needs GPUs in the job: pass --gpus-per-node G")
         nproc = CPU_WORKERS_DEFAULT if launch.nproc_per_node == "auto" else launch.nproc_per_node
         device = "cpu"
-    check_world(recipe.engine, nproc * job.nodes, nproc)
+    check_world(recipe, nproc * job.nodes, nproc)
     return {"launch.nproc_per_node": str(nproc), "launch.device": device}
 
 

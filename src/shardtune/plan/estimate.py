@@ -544,6 +544,7 @@ class Gathered:
     forward: int  # held at the end of forward: the root and the last unit, or (no reshard after forward) every unit
     backward: int  # held in a unit's backward: the root, that unit and the one prefetched
     offload_copy: int  # cpu_offload: the H2D copies of shards alive at any time
+    emb_prefetch: int = 0  # FSDP2: the embedding's unit, freed after forward, gathered again in unit 0's backward
 
 
 def forward_gathered(stats: ModelStats, s: Setup, step: StepFacts) -> Gathered:
@@ -555,7 +556,7 @@ def forward_gathered(stats: ModelStats, s: Setup, step: StepFacts) -> Gathered:
         emb_table = d.vocab * d.hidden * step.c if s.strategy != "shard_grad_op" else 0
         root_held = step.root_gathered - emb_table
     else:
-        root_held = step.root_gathered
+        root_held, emb_table = step.root_gathered, 0
     keeps_units = s.keeps_units
     held_fwd = root_held + (sum(unit_g) if keeps_units else (unit_g[-1] if unit_g else 0))
     prefetch_g = big if s.prefetch and not keeps_units else 0
@@ -572,8 +573,11 @@ def forward_gathered(stats: ModelStats, s: Setup, step: StepFacts) -> Gathered:
         # Row-sharded tables: their rows copied to the device once the root is unsharded, kept until it is
         # resharded (engine/flat_param.py stage_rows): from the first forward to the end of backward.
         offload_copy += sum(f.shard_bytes() for f in step.root.vocab)
+    # FSDP2 prefetches, in unit 0's backward, the unit before it in forward order: the embedding's, even when it
+    # takes no gradient (a frozen table: plan --simulate, 70B QLoRA 4x24 on FSDP2, peaked there at 1.058 of the plan)
     return Gathered(root_held=root_held, forward=held_fwd,
-                    backward=held_fwd if keeps_units else root_held + big + prefetch_g, offload_copy=offload_copy)
+                    backward=held_fwd if keeps_units else root_held + big + prefetch_g, offload_copy=offload_copy,
+                    emb_prefetch=emb_table if s.prefetch and not keeps_units else 0)
 
 
 def loss_phases(stats: ModelStats, s: Setup, step: StepFacts, states: ModelStates, acts: Activations,
@@ -629,7 +633,8 @@ def unit_backward_phase(stats: ModelStats, s: Setup, step: StepFacts, states: Mo
             gathered = held.forward
         else:
             ahead = i and s.prefetch and (overlap or not flight)
-            gathered = held.root_held + step.block_gathered[i] + (step.block_gathered[i - 1] if ahead else 0)
+            gathered = held.root_held + step.block_gathered[i] + (step.block_gathered[i - 1] if ahead else
+                                                                  held.emb_prefetch if i == 0 else 0)
         units.append({**states.static, "grads": max(states.grads_prev, sum(states.unit_grads[i + 1:]))
                       + states.head_grad + mlp_w_grad + states.bucket + flight,
                       "gathered": gathered + held.offload_copy + nf4_extra,

@@ -30,7 +30,7 @@ def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup
         world, nodes = world_of(recipe)
         setup = Setup.from_recipe(recipe, world=world, nodes=nodes,
                                   device_is_cpu=hw.is_cpu or recipe.launch.device == "cpu")
-    check_world(recipe.engine, setup.world)
+    check_world(recipe, setup.world)
     plan = Plan(recipe, stats, setup, estimate(stats, setup), hw)
     if with_advice and not plan.fits:
         plan.advice = advice(plan)

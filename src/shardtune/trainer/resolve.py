@@ -13,7 +13,7 @@ def resolve_engine(recipe: Recipe, *, world_size: int, local_world_size: int, ac
     """The policy this recipe runs with on `world_size` ranks, `local_world_size` of them per node, on an
     accelerator or on the host. Unit classes are left empty (trainer/parallelize.py resolves engine.wrap on the model)."""
     engine, lora = recipe.engine, recipe.lora
-    check_world(engine, world_size, local_world_size)
+    check_world(recipe, world_size, local_world_size)
     nf4 = lora.enabled and lora.quantize_base == "nf4"
     wrap = engine.wrap
     return ShardingPolicy(
