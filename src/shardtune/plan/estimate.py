@@ -406,10 +406,12 @@ class StepFacts:
 def step_facts(stats: ModelStats, s: Setup) -> StepFacts:
     d, c, W = stats.dims, _size(s.compute), s.shard_size
     # The frozen base is stored in the compute dtype by our engine (trainer/parallelize.py: bf16 shards, no cast before the
-    # all-gather) and as NF4 bytes under QLoRA; FSDP2 keeps it in the model's dtype and casts it at each all-gather.
-    base_dtype = s.compute if s.lora and (s.backend == "shardtune" or s.nf4) else DTYPES[stats.recipe.model.dtype]
+    # all-gather) and as NF4 bytes under QLoRA; FSDP2 keeps it in the model's dtype and casts it at each all-gather,
+    # except the NF4 weights under QLoRA (the rest of its base, tables and norms, stays in the model's dtype).
+    base_dtype = s.compute if s.lora and s.backend == "shardtune" else DTYPES[stats.recipe.model.dtype]
     vp = splits_vocab(s.vocab_parallel, shard_size=W)  # as the backends: only with a shard group of 2+ ranks
-    units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora, vocab_parallel=vp)
+    units = stats.layouts(W, frozen_base=s.lora, base_dtype=base_dtype, nf4=s.nf4 and s.lora, nf4_dtype=s.compute,
+                          vocab_parallel=vp)
     *blocks, root = units
     aliased = W == 1 and not (s.offload and not s.device_is_cpu)
     tokens = s.micro_batch * s.seq_len

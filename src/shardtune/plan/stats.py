@@ -93,16 +93,18 @@ class ModelStats:
         return resolve_unit_classes(self.model, list(wrap) if not isinstance(wrap, (str, int)) else wrap)
 
     def layouts(self, shard_size: int, *, frozen_base: bool, base_dtype: torch.dtype,
-                nf4: bool = False, vocab_parallel: bool = False) -> list[UnitLayout]:
+                nf4: bool = False, nf4_dtype: torch.dtype | None = None,
+                vocab_parallel: bool = False) -> list[UnitLayout]:
         """The engine's units for this shard-group size. `frozen_base`: every base param frozen (LoRA), in
         `base_dtype`; else all trainable in the model dtype. `nf4`: the units' frozen Linear weights as NF4 bytes
-        (lora.quantize_base=nf4), dequantized to `base_dtype`."""
-        key = (shard_size, frozen_base, base_dtype, nf4, vocab_parallel)
+        (lora.quantize_base=nf4), dequantized to `nf4_dtype` (default `base_dtype`)."""
+        key = (shard_size, frozen_base, base_dtype, nf4, nf4_dtype, vocab_parallel)
         if key not in self._layouts:
             wrap = self.recipe.engine.wrap
             policy = ShardingPolicy(unit_classes=self.unit_classes,
                                     min_unit_params=wrap if isinstance(wrap, int) and not isinstance(wrap, bool) else None,
-                                    mixed_precision=MixedPrecision(param_dtype=base_dtype), quantize_base=nf4,
+                                    mixed_precision=MixedPrecision(param_dtype=nf4_dtype or base_dtype),
+                                    quantize_base=nf4,
                                     vocab_parallel=vocab_parallel)
             saved = {id(p): (p.requires_grad, p.data) for p in self.model.parameters()}
             try:

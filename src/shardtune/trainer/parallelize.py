@@ -87,6 +87,10 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     if engine.backend == "torch":
         from shardtune.engine import torch_backend
 
+        if not engine.prefetch:
+            warnings.warn("engine.prefetch=false is ignored with engine.backend=torch: FSDP2 always gathers the next "
+                          "unit ahead in backward (shardtune plan counts it)", stacklevel=2)
+
         if engine.cpu_offload and policy.quantize_base and accelerator.is_simulated(device):
             raise UserError("engine.cpu_offload=true with lora.quantize_base=nf4 and engine.backend=torch does not run "
                             "on the simulated GPU (torchao's NF4 weights on the host): plan it without --simulate, or "

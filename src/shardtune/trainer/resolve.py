@@ -22,7 +22,7 @@ def resolve_engine(recipe: Recipe, *, world_size: int, local_world_size: int, ac
         mixed_precision=MixedPrecision(param_dtype=DTYPES[engine.mixed_precision],
                                        reduce_dtype=DTYPES[engine.reduce_dtype]),
         cpu_offload=engine.cpu_offload,
-        prefetch=engine.prefetch,
+        prefetch=engine.prefetch or engine.backend == "torch",  # FSDP2 always gathers a unit ahead in backward
         backward_schedule=BackwardSchedule(engine.backward_schedule).on(accelerator=accelerator),
         sync_every_microstep=engine.sync_every_microstep,
         # hybrid_shard without a size shards inside one node (the ranks joined by the fast intra-node links) and
