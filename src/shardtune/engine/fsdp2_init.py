@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from shardtune import accelerator
 from shardtune.model.loading import CheckpointFiles, checkpoint_key, read_flat_range
 from shardtune.model.seeded_init import by_module, init_module
 
@@ -86,7 +87,7 @@ def quantized_weights_maker(model: nn.Module, entries: list, *, device: torch.de
         prefix = path_of[id(module)]
         for name in [n for n in pending if not prefix or n.startswith(prefix + ".")]:
             p, locations = pending.pop(name)
-            if not p.is_meta or device.type == "meta":
+            if not p.is_meta or accelerator.is_simulated(device):  # the simulated GPU's weights have no values
                 w = p.detach()
             elif ckpt is not None:
                 key = checkpoint_key(name)

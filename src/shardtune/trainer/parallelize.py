@@ -91,7 +91,8 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
             warnings.warn("engine.prefetch=false is ignored with engine.backend=torch: FSDP2 always gathers the next "
                           "unit ahead in backward (shardtune plan counts it)", stacklevel=2)
 
-        if engine.cpu_offload and policy.quantize_base and accelerator.is_simulated(device):
+        simulated = accelerator.is_simulated(device)
+        if engine.cpu_offload and policy.quantize_base and simulated:
             raise UserError("engine.cpu_offload=true with lora.quantize_base=nf4 and engine.backend=torch does not run "
                             "on the simulated GPU (torchao's NF4 weights on the host): plan it without --simulate, or "
                             "simulate engine.backend=shardtune")
@@ -102,7 +103,6 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
         # weight at a time (plan/estimate.py fsdp2_load_phase counts one unit whole).
         from shardtune.engine import fsdp2_init
 
-        simulated = accelerator.is_simulated(device)
         make = None
         with CheckpointFiles(pretrained) if pretrained is not None and policy.quantize_base else \
                 contextlib.nullcontext() as ckpt:
