@@ -7,6 +7,8 @@
     copied to it (simulated/device.py `_to_copy`), AdamW stepping there: device and host within 5 % of the plan,
     which counts every shard, the adapters' gradients and moments on the host (it counted the adapters on the device,
     as our engine keeps them; the simulated GPU refused the combination);
+  - QLoRA on FSDP2 under cpu_offload: torchao's NF4 shards on the simulated host part by part (it refused them: the
+    shards were replaced by plain buffers of the model's dtype, 4x the NF4 bytes on the host);
   - cpu_offload with a shard group of one rank: the host shard is never the unit's gathered buffer
     (engine/flat_param.py `aliased`), so the unit is copied to the device and computed there, as on a GPU. Told
     apart by the offload flag: a simulated host shard is a meta tensor like the simulated device's, and comparing
@@ -50,5 +52,16 @@ def test_offloaded_units_compute_on_the_device_at_one_rank() -> None:
 def test_fsdp2_offload_step_agrees_with_the_plan() -> None:
     sim = _simulate("engine.backend=torch", "engine.cpu_offload=true")
     assert sim["world_size"] == 2 and sim["simulated_peak_bytes"] > 1e6 and sim["simulated_host_bytes"] > 1e6
+    assert 0.95 <= sim["simulated_peak_bytes"] / sim["analytic_peak_bytes"] <= 1.05, sim
+    assert abs(sim["simulated_host_bytes"] - sim["analytic_host_bytes"]) <= 0.05 * sim["analytic_host_bytes"], sim
+
+
+def test_fsdp2_qlora_offload_step_agrees_with_the_plan() -> None:
+    """Over 2 micro-steps reduced once (engine.sync_every_microstep=false, as the warning for FSDP2 offload with
+    accumulation says): FSDP2's gradient copies to the host never block, the step's one host sync is its read."""
+    sim = _simulate("engine.backend=torch", "engine.cpu_offload=true", "lora.quantize_base=nf4", "train.grad_accum=2",
+                    "engine.sync_every_microstep=false")
+    assert sim["host_syncs"] == ["to_host shardtune.trainer.train:train_step"], sim["host_syncs"]
+    assert sim["world_size"] == 2 and sim["simulated_peak_bytes"] > 1e6 and sim["simulated_host_bytes"] > 1e5
     assert 0.95 <= sim["simulated_peak_bytes"] / sim["analytic_peak_bytes"] <= 1.05, sim
     assert abs(sim["simulated_host_bytes"] - sim["analytic_host_bytes"]) <= 0.05 * sim["analytic_host_bytes"], sim

@@ -1,7 +1,9 @@
 """Every recipes/hardware recipe's training step has one host synchronization on the simulated GPU (its read of the
 loss and the norm), with the product's defaults and the recipe's own settings. The recipes run with 2 decoder
 layers (model.config pointed at a copy of theirs): the syncs of a step do not depend on its depth (asserted once at
-2 and 3 layers), and 2 layers keep each recipe a few seconds. Two steps: the first copies its own batch and runs
+2 and 3 layers), and 2 layers keep each recipe a few seconds. The 128k recipe runs at 16,384 tokens for the same
+reason: its loops over the sequence (4 MLP chunks, hundreds of packed documents' attention calls) run the same code
+at any length, and 131,072 tokens of short documents took ~60 s of loop turns. Two steps: the first copies its own batch and runs
 DPO's start-of-training eval, the second finds its batch prefetched."""
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ def _step_syncs(name: str, tmp: Path, *, layers: int) -> list[list[tuple[str, st
     (tmp / "config.json").write_text(json.dumps(config))
     world, nodes = world_of(base)
     with _simulated_world(world, nodes):
+        seq = ["data.seq_len=16384"] if base.data.seq_len > 16384 else []
         recipe = load_recipe(name, [f"model.config={tmp / 'config.json'}", "train.grad_accum=2",
-                                    f"train.output_dir={tmp / 'run'}"])
+                                    f"train.output_dir={tmp / 'run'}", *seq])
         run = setup(recipe, simulated=True)
         run.model.train()
         steps = []

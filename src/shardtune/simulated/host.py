@@ -21,29 +21,17 @@ def _in_host_op() -> bool:
     return getattr(_HOST, "depth", 0) > 0
 
 
-def _target(args: tuple, kwargs: dict) -> tuple[torch.device | None, torch.dtype | None]:
-    """(device, dtype) asked of `Tensor.to(*args, **kwargs)`, None where not given."""
-    device = kwargs.get("device")
-    dtype = kwargs.get("dtype")
-    for a in args:
-        if isinstance(a, torch.dtype):
-            dtype = a
-        elif isinstance(a, (str, torch.device)):
-            device = a
-        elif isinstance(a, torch.Tensor):
-            device, dtype = a.device, a.dtype
-    return (torch.device(device) if device is not None else None), dtype
-
-
 class HostMeta(torch.Tensor):
     """A simulated host tensor: meta storage; see the module docstring."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.to and kwargs.get("non_blocking"):
-            device, dtype = _target(args[1:], kwargs)
-            if device is not None and device.type != "cpu":  # the H2D copy: a new device tensor
+        if func is torch.Tensor.to:
+            # positional or keyword: torchao's NF4 passes `non_blocking` to each part's `to` positionally
+            to_args = {k: v for k, v in kwargs.items() if k != "copy"}  # _parse_to knows no `copy`
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **to_args)
+            if non_blocking and device is not None and device.type != "cpu":  # the H2D copy: a device tensor
                 with torch._C.DisableTorchFunctionSubclass():
                     return torch.empty(args[0].shape, dtype=dtype or args[0].dtype, device="meta")
         _HOST.depth = getattr(_HOST, "depth", 0) + 1

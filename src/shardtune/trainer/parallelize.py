@@ -90,13 +90,14 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
         if not engine.prefetch:
             warnings.warn("engine.prefetch=false is ignored with engine.backend=torch: FSDP2 always gathers the next "
                           "unit ahead in backward (shardtune plan counts it)", stacklevel=2)
+        if engine.cpu_offload and recipe.train.grad_accum > 1 and engine.sync_every_microstep:
+            # torch 2.13 foreach_reduce: a gradient already on the host is added to by a blocking D2H copy
+            warnings.warn("engine.backend=torch with engine.cpu_offload=true and train.grad_accum > 1: FSDP2 copies "
+                          "each micro-step's gradient to the host blocking (a host sync per parameter); set "
+                          "engine.sync_every_microstep=false to reduce once per step (LoRA: the adapters' "
+                          "unsharded gradients stay on the GPU meanwhile)", stacklevel=2)
 
         simulated = accelerator.is_simulated(device)
-        if engine.cpu_offload and policy.quantize_base and simulated:
-            raise UserError("engine.cpu_offload=true with lora.quantize_base=nf4 and engine.backend=torch does not run "
-                            "on the simulated GPU (torchao's NF4 weights on the host): plan it without --simulate, or "
-                            "simulate engine.backend=shardtune")
-
         # fully_shard on meta, then each rank makes only its own chunks (engine/fsdp2_init.py); the simulated GPU's
         # chunks are meta already, or, under offload, host buffers of their size. QLoRA: torchao quantizes whole
         # weights before fully_shard, so each unit's quantized weights are made just before FSDP2 shards it, one
