@@ -7,7 +7,6 @@ at any length, and 131,072 tokens of short documents took ~60 s of loop turns. T
 DPO's start-of-training eval, the second finds its batch prefetched."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from shardtune import accelerator
 from shardtune.config.load import load_recipe
 from shardtune.plan.planner import world_of
 from shardtune.plan.simulate import _simulated_world
+from tests.simulated.shallow import shallow_config
 
 RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes" / "hardware").glob("*.yaml"))
 STEP_READ = ("to_host", "shardtune.trainer.train:train_step")
@@ -25,14 +25,10 @@ def _step_syncs(name: str, tmp: Path, *, layers: int) -> list[list[tuple[str, st
     from shardtune.trainer.train import setup, train_step
 
     base = load_recipe(name)
-    config = json.loads(Path(base.model.config).read_text())
-    config["num_hidden_layers"] = layers
-    config.pop("layer_types", None)  # per-layer lists follow num_hidden_layers (transformers rebuilds them)
-    (tmp / "config.json").write_text(json.dumps(config))
     world, nodes = world_of(base)
     with _simulated_world(world, nodes):
         seq = ["data.seq_len=16384"] if base.data.seq_len > 16384 else []
-        recipe = load_recipe(name, [f"model.config={tmp / 'config.json'}", "train.grad_accum=2",
+        recipe = load_recipe(name, [shallow_config(name, layers, tmp), "train.grad_accum=2",
                                     f"train.output_dir={tmp / 'run'}", *seq])
         run = setup(recipe, simulated=True)
         run.model.train()
