@@ -24,10 +24,11 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
-# Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once):
-# 793 s on a 2-core machine like CI's (fresh clone, .ci/run, 2026-11-27, machine otherwise idle).
+# Three workers (pytest-xdist) on 2 cores, each taking whole files (--dist loadfile: a module's shared trained run
+# is made once). Many tests wait on processes (the CLI's launcher and torchrun, SLURM's scheduler): with two workers
+# the cores were 72 % busy over checkpoint + slurm + LoRA-train files (280 s), with three 95 % (226 s).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=15 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
