@@ -24,11 +24,12 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
-# Three workers (pytest-xdist) on 2 cores, each taking whole files (--dist loadfile: a module's shared trained run
-# is made once). Many tests wait on processes (the CLI's launcher and torchrun, SLURM's scheduler): with two workers
-# the cores were 72 % busy over checkpoint + slurm + LoRA-train files (280 s), with three 95 % (226 s).
+# Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once).
+# 1,092 s on this 2-core machine, otherwise idle (2026-11-28). Three workers fill the waits of the CLI, torchrun and
+# SLURM files (those files alone: 72 % -> 95 % busy), but the whole suite is CPU-bound: a fresh clone through
+# .ci/run with three read 96 % busy and took 1,185 s.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
