@@ -21,8 +21,22 @@ CORES = os.cpu_count() or 2
     (["launch.device=cpu", "engine.cpu_offload=false"], 1, CORES),
     (["launch.device=cpu", "launch.threads_per_worker=2"], 2, 2),
 ])
-def test_worker_threads(overrides: list[str], nproc: int, expected: int | None) -> None:
+def test_worker_threads(overrides: list[str], nproc: int, expected: int | None,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite exports 1 (conftest.py)
     assert worker_threads(load_recipe("recipes/tiny-lora-cpu.yaml", overrides), nproc) == expected
+
+
+@pytest.mark.parametrize(("exported", "overrides", "expected"), [
+    ("1", ["launch.device=cpu"], 1),  # a machine shared with other jobs: the user's export wins over the share
+    ("3", ["launch.device=cuda", "engine.cpu_offload=false"], 3),
+    ("3", ["launch.device=cpu", "launch.threads_per_worker=2"], 2),  # the recipe's key wins over the export
+    ("", ["launch.device=cpu"], CORES), ("zero", ["launch.device=cpu"], CORES), ("0", ["launch.device=cpu"], CORES),
+])
+def test_an_exported_omp_num_threads_is_honoured(exported: str, overrides: list[str], expected: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", exported)
+    assert worker_threads(load_recipe("recipes/tiny-lora-cpu.yaml", overrides), 1) == expected
 
 
 def test_threads_reach_torch_on_a_gpu_runtime(monkeypatch: pytest.MonkeyPatch) -> None:

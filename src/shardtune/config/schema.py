@@ -302,8 +302,8 @@ class LaunchConfig:
     # some clusters do not resolve between nodes). Inside a SLURM step it is filled in from the node's NodeAddr.
     local_addr: str | None = None
     max_restarts: int = 0  # torchrun restarts a failed job this many times (it resumes from the latest checkpoint)
-    threads_per_worker: int | None = None  # torch threads per worker (default: cores / workers on CPU and under
-    #                                         engine.cpu_offload on GPUs; else torchrun's 1)
+    threads_per_worker: int | None = None  # torch threads per worker (default: an exported OMP_NUM_THREADS, else
+    #                                         cores / workers on CPU and under engine.cpu_offload; else torchrun's 1)
 
     def __post_init__(self) -> None:
         n = self.nproc_per_node

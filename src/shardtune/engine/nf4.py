@@ -31,12 +31,16 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # noqa: E
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, matrix_shape, scaler_block  # noqa: E402
 
 CHUNK = 1 << 20  # most elements quantized at once: torchao's nearest-level search holds ~50 B/element (bf16)
+# Fewest elements per chunk: ~3 MiB of temporaries, noise beside any loader's memory, while each chunk costs ~20
+# tensor ops of fixed overhead. Without it a small weight went in 64 one-block chunks (a tiny QLoRA model's build on
+# the simulated GPU, where every op runs through Python meta functions, spent a quarter of its time here).
+FLOOR = 1 << 16
 
 
 def chunk_numel(numel: int) -> int:
     """Elements per quantization chunk: whole blocks, at most 1/64 of the weight (so the temporaries, ~50 B per
-    element, stay under the weight's own bf16 bytes: the loader's bound) and at most CHUNK."""
-    return max(BLOCK, min(CHUNK, numel // 64 // BLOCK * BLOCK))
+    element, stay under the weight's own bf16 bytes: the loader's bound) but at least FLOOR, and at most CHUNK."""
+    return max(BLOCK, min(CHUNK, max(FLOOR, numel // 64 // BLOCK * BLOCK)))
 
 
 Writer = Callable[[int, torch.Tensor], None]  # (byte offset in the weight's region, uint8 bytes) -> store them

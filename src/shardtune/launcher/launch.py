@@ -61,12 +61,16 @@ def check_launch(recipe: Recipe) -> int:
 def worker_threads(recipe: Recipe, nproc: int) -> int | None:
     """OMP_NUM_THREADS for each worker, or None to leave torchrun's choice (1 per worker when nproc > 1).
 
-    `launch.threads_per_worker` wins on every device. Default: on CPU the cores shared out (oversubscription halves
-    speed); on a GPU with engine.cpu_offload the same, because the host then runs AdamW, the gradient adds and
-    norms, which torchrun's one thread per worker would serialise; a GPU run without offload does little host math
-    and keeps torchrun's default."""
+    `launch.threads_per_worker` wins on every device, then an OMP_NUM_THREADS the user exported (torchrun honours
+    it too: a machine shared with other jobs, a container's CPU quota). Default: on CPU the cores shared out
+    (oversubscription halves speed); on a GPU with engine.cpu_offload the same, because the host then runs AdamW,
+    the gradient adds and norms, which torchrun's one thread per worker would serialise; a GPU run without offload
+    does little host math and keeps torchrun's default."""
     if recipe.launch.threads_per_worker:
         return recipe.launch.threads_per_worker
+    exported = os.environ.get("OMP_NUM_THREADS", "")
+    if exported.isdigit() and int(exported) >= 1:
+        return int(exported)
     if recipe.launch.device_type() == "cpu" or recipe.engine.cpu_offload:
         return max(1, (os.cpu_count() or 2) // nproc)
     return None
