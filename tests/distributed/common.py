@@ -1,7 +1,9 @@
 """Shared pieces of the distributed tests: tiny models, a fixed global batch, the reference loop."""
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -103,3 +105,17 @@ def train_step(model: nn.Module, sharded, opt, step: int, *, accum: int, sync_ea
 
 def reference_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+@contextlib.contextmanager
+def nf4_chunks_relative() -> Iterator[None]:
+    """NF4 quantization chunks at 1/64 of each weight, down to one block: nf4.FLOOR (at least ~3 MiB of chunk
+    temporaries, for speed) is above every weight of the tiny models, whose loading peaks the tests bound relative to
+    their weights, as a real model's is bounded (its weights, of >= 4M elements, are all above the floor)."""
+    from shardtune.engine import nf4
+
+    floor, nf4.FLOOR = nf4.FLOOR, nf4.BLOCK
+    try:
+        yield
+    finally:
+        nf4.FLOOR = floor

@@ -21,7 +21,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from tests.distributed.common import adamw, build_model, global_batch, policy_for, train_step
+from tests.distributed.common import (
+    adamw,
+    build_model,
+    global_batch,
+    nf4_chunks_relative,
+    policy_for,
+    train_step,
+)
 from tests.distributed.harness import run_distributed
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -128,7 +135,8 @@ def _fsdp2_qlora_init(root: str, pretrained: bool) -> None:
     unit_bytes = max(sum(p.numel() * 4 for p in layer.parameters()) for layer in model.model.layers)
     largest_module = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in model.modules())
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
-    sharded = parallelize(model, recipe, device=CPU, world_size=dist.get_world_size())
+    with nf4_chunks_relative():
+        sharded = parallelize(model, recipe, device=CPU, world_size=dist.get_world_size())
     kept = tracker.live_bytes() - base
     peak = tracker.peak_bytes() - base
     tracker.stop()

@@ -21,6 +21,7 @@ from tests.distributed.common import (
     adamw,
     build_model,
     global_batch,
+    nf4_chunks_relative,
     num_targets,
     policy_for,
     token_loss_sum,
@@ -168,18 +169,14 @@ def _load(root: str) -> None:
     for p in model.parameters():
         if not p.requires_grad:
             p.data = p.data.to(torch.bfloat16)  # as parallelize under bf16 + LoRA (meta: no bytes)
-    # The bound is about what the loader holds at once, relative to each weight; nf4.FLOOR (a few MiB of chunk
-    # temporaries at least, for speed) is above every weight of this tiny model, so it is lowered to one block here.
-    from shardtune.engine import nf4
-    floor, nf4.FLOOR = nf4.FLOOR, nf4.BLOCK
     tracker = CpuMemoryTracker().start()
     start = tracker.live_bytes()
     sharded = shard_model(model, qlora_policy(model, param_dtype=torch.bfloat16), device=torch.device("cpu"))
     flats = [f for u in sharded.units for f in u.flats]
-    load_into_shards(flats, model, path)
+    with nf4_chunks_relative():
+        load_into_shards(flats, model, path)
     peak = tracker.peak_bytes() - start
     tracker.stop()
-    nf4.FLOOR = floor
     shard_bytes = sum(f.shard.nbytes for f in flats)
     assert peak <= shard_bytes + largest_bf16 * (1 + 2 / 64), (peak, shard_bytes, largest_bf16)
     full = dict(sharded.full_state_dict())

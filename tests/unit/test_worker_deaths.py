@@ -76,3 +76,30 @@ def test_the_agent_ends_in_one_line_when_the_rendezvous_host_is_gone(tmp_path, m
     err = capsys.readouterr().err
     assert code == 1 and not (tmp_path / "failures.json").exists()
     assert err.count("\n") == 1 and "rendezvous host" in err and "Traceback" not in err
+
+
+def test_ctrl_c_while_the_worker_opens_its_log_is_one_line(tmp_path, monkeypatch):
+    """The setup window starts where the worker takes SIGINT back from the agent: a Ctrl-C that lands while it
+    redirects stderr to its rank log (CI caught one in the import there: a traceback) is the one line, exit 130."""
+    import signal
+    import sys
+
+    import pytest
+
+    from shardtune.trainer import worker
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    error_file = tmp_path / "logs" / ".user_error"
+    error_file.parent.mkdir()  # the launcher makes it
+    monkeypatch.setattr(worker, "_stderr_to_log", interrupted)
+    monkeypatch.setattr(sys, "argv", ["worker", str(tmp_path / "recipe.yaml"), f"--error-file={error_file}"])
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            worker.main()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert stopped.value.code == 130
+    assert (tmp_path / "logs" / ".exit_code").read_text().startswith("130\ninterrupted (Ctrl-C, SIGINT) before")

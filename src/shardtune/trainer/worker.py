@@ -119,12 +119,13 @@ def main() -> None:
     args = parser.parse_args()
     # The agent ignores SIGINT (launcher/agent.py) and its workers inherit that: Ctrl-C must still stop a worker that is
     # setting up (KeyboardInterrupt); train() then turns it into a stop at a step boundary.
+    # Everything from here to train() is the setup window: a Ctrl-C anywhere in it is one line, exit 130.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if args.error_file is not None:  # started by our launcher, which reports deaths from the ranks' logs
-        from shardtune.trainer.worker_deaths import rank_log
-
-        _stderr_to_log(rank_log(args.error_file.parent, int(os.environ.get("RANK", "0"))))
     try:
+        if args.error_file is not None:  # started by our launcher, which reports deaths from the ranks' logs
+            from shardtune.trainer.worker_deaths import rank_log
+
+            _stderr_to_log(rank_log(args.error_file.parent, int(os.environ.get("RANK", "0"))))
         recipe = load_recipe(args.recipe)  # imports torch: seconds in which Ctrl-C may come
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
