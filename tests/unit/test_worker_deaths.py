@@ -2,8 +2,13 @@
 SIGKILL through the CLI: tests/integration/test_checkpoint.py."""
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
+import pytest
+
+from shardtune.trainer import worker
 from shardtune.trainer.worker_deaths import EXIT_WORKER_DIED, describe, rank_log
 
 PEER_LOST = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: [pair.cc:553] "
@@ -81,13 +86,6 @@ def test_the_agent_ends_in_one_line_when_the_rendezvous_host_is_gone(tmp_path, m
 def test_ctrl_c_while_the_worker_opens_its_log_is_one_line(tmp_path, monkeypatch):
     """The setup window starts where the worker takes SIGINT back from the agent: a Ctrl-C that lands while it
     redirects stderr to its rank log (CI caught one in the import there: a traceback) is the one line, exit 130."""
-    import signal
-    import sys
-
-    import pytest
-
-    from shardtune.trainer import worker
-
     def interrupted(path):
         raise KeyboardInterrupt
 

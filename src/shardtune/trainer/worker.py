@@ -118,8 +118,7 @@ def main() -> None:
     parser.add_argument("--error-file", type=Path, default=None, help="write a user error here instead of stderr")
     args = parser.parse_args()
     # The agent ignores SIGINT (launcher/agent.py) and its workers inherit that: Ctrl-C must still stop a worker that is
-    # setting up (KeyboardInterrupt); train() then turns it into a stop at a step boundary.
-    # Everything from here to train() is the setup window: a Ctrl-C anywhere in it is one line, exit 130.
+    # setting up. From here to train() (which turns it into a stop at a step boundary) it is one line, exit 130.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.error_file is not None:  # started by our launcher, which reports deaths from the ranks' logs
