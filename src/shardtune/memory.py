@@ -24,7 +24,6 @@ from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 _ACTIVE: list[CpuMemoryTracker] = []
 _HOST_SCOPE = threading.local()  # depth of `host_allocations()` blocks open in this thread
@@ -52,6 +51,16 @@ def free_storage(tensor: torch.Tensor) -> None:
     worker thread drops only after `wait()` returned): the storage is resized to 0, the tensor object stays."""
     tensor.untyped_storage().resize_(0)
     storage_resized(tensor)
+
+
+def _each_tensor(x: object, visit: Callable[[torch.Tensor], None]) -> None:
+    """`visit` every tensor in an op's arguments or outputs: tensors, in tuples and lists (torch's pytree finds the
+    same ones in an aten op's arguments, at several times the cost: this runs for every op of a tracked step)."""
+    if isinstance(x, torch.Tensor):
+        visit(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _each_tensor(y, visit)
 
 
 def _data_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -153,6 +162,8 @@ class CpuMemoryTracker(TorchDispatchMode):
     def _update_tensor(self, t: torch.Tensor) -> None:
         st = _data_storage(t)
         if st is not None:
+            if self._sizes.get(id(st)) == st.nbytes():
+                return  # registered, same size: what _update would conclude, without its checks (most inputs)
             # a host tensor an op returned as such (the simulated GPU's copy to the host, simulated/device.py), else
             # the op's context decides
             host = True if self._host_pred is not None and self._host_pred(t) else None
@@ -172,12 +183,8 @@ class CpuMemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.record_peak:  # the op's name labels the storages it creates: only --peak-list reads them
             self._op = str(func)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._update_tensor(t)
-        for t in tree_leaves(args):  # in-place ops (resize_, set_) may grow an input's storage
-            if isinstance(t, torch.Tensor):
-                self._update_tensor(t)
+        _each_tensor(out, self._update_tensor)
+        _each_tensor(args, self._update_tensor)  # in-place ops (resize_, set_) may grow an input's storage
         self._recheck_big()
         if self._peak > peak_before:
             self.peak_op = str(func)  # the op at which the peak was reached: the first clue when profiling

@@ -13,7 +13,7 @@ INT_MIN1 = ["train.micro_batch_size", "train.grad_accum", "train.max_steps", "tr
             "launch.nnodes"]
 NON_NEG = ["train.warmup_steps", "train.eval_every", "train.save_every", "train.weight_decay",
            "train.max_grad_norm", "train.keep_last", "train.skip_nonfinite", "train.loss_chunk_tokens",
-           "engine.nf4_tile_mb", "launch.max_restarts"]
+           "engine.nf4_tile_mb", "launch.max_restarts", "train.seed"]
 CHOICES = {"engine.backend": ["shardtune", "torch"], "engine.strategy": ["full_shard", "shard_grad_op", "no_shard",
            "hybrid_shard"], "engine.mixed_precision": ["fp32", "bf16"], "engine.reduce_dtype": ["fp32", "bf16"],
            "data.format": ["text", "instruction", "chat"], "train.schedule": ["cosine", "linear", "constant"],

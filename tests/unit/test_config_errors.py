@@ -41,6 +41,16 @@ BAD_OVERRIDES = [
     (["train.objective=dpo", "data.format=preference", "train.demo_eval=true"], "train.demo_eval"),
     (["data.prompt_field=[instruction,input]"], "data.input_field"),  # Alpaca's two columns as one list
     (["engine.wrap=[NoSuchLayer]"], None),  # checked when the model is built; validate accepts class names
+    # inf and NaN, as YAML and the command line spell them: range checks let inf through (lr > 0), to fail later
+    # as an overflow (int(inf * MiB) in the tile size) or a NaN loss
+    (["engine.nf4_tile_mb=INFINITY"], "engine.nf4_tile_mb"),
+    (["train.lr=inf"], "train.lr"),
+    (["train.eps=nan"], "train.eps"),
+    (["train.max_grad_norm=.inf"], "train.max_grad_norm"),
+    (["hardware.host_ram_gb=-inf"], "hardware.host_ram_gb"),
+    (["train.seed=-1"], "train.seed"),  # numpy's generators (the data split) take no negative seed
+    (["train.eps=-1e-8"], "train.eps"),  # AdamW refuses it in every worker
+    (["data.path=[{path: builtin:reverse, weight: inf}]"], "data.path[0].weight"),  # a mix entry (its own check)
 ]
 
 

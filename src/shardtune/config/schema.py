@@ -5,6 +5,8 @@ Each field's docstring-style comment is the help text. `__post_init__` checks va
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +129,26 @@ class EngineConfig:
         _check(self.nf4_tile_mb >= 0, "engine.nf4_tile_mb", f"must be >= 0 (0: off), got {self.nf4_tile_mb}")
         if self.hybrid_shard_size is not None:
             _check(self.hybrid_shard_size >= 1, "engine.hybrid_shard_size", f"must be >= 1, got {self.hybrid_shard_size}")
+
+
+def _first_non_finite(value: Any, key: str) -> tuple[str, float] | None:
+    """(key, value) of the first inf or NaN among the recipe's numbers: YAML and the command line spell them (inf,
+    .nan, INFINITY) and most range checks let inf through (lr > 0), to fail later as an overflow or a NaN loss."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (key, value)
+    if dataclasses.is_dataclass(value):
+        items = [(f"{key}.{f.name}" if key else f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        items = [(f"{key}.{k}", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for name, v in items:
+        found = _first_non_finite(v, name)
+        if found:
+            return found
+    return None
 
 
 def check_world(recipe: Recipe, world_size: int, local_world_size: int | None = None) -> None:
@@ -258,6 +280,9 @@ class TrainConfig:
                     "skip_nonfinite", "loss_chunk_tokens", "router_aux_loss_coef"):
             _check(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _check(self.eps >= 0, "train.eps", f"must be >= 0 (AdamW's epsilon), got {self.eps}")
+        # torch takes any 64-bit seed; numpy's generators (the data split and shuffle) only non-negative ones
+        _check(0 <= self.seed < 1 << 63, "train.seed", f"must be an integer in [0, 2**63), got {self.seed}")
         _check(self.schedule in ("cosine", "linear", "constant"), "train.schedule",
                f"must be cosine, linear or constant, got {self.schedule!r}")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas",
@@ -356,6 +381,9 @@ class Recipe:
 
     def check(self) -> None:
         """Cross-section checks; run on the merged recipe (defaults alone may be incomplete)."""
+        bad = _first_non_finite(self, "")
+        if bad:
+            raise ValueError(f"{bad[0]}: must be a finite number, got {bad[1]}")
         m = self.model
         if m.init == "pretrained":
             _check(m.path is not None, "model.path", "init=pretrained needs model.path=DIR (a local HF checkpoint)")
