@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shardtune.bundled import DATA_DIR
 from shardtune.config import load_recipe
 from shardtune.data import build_data
 from shardtune.data.batches import num_targets
@@ -82,6 +83,17 @@ def test_data_error_in_worker_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and "column" in err[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_tokenizer_past_the_models_vocabulary_stops_the_workers_in_one_line(tmp_path):
+    """The workers' check (the launcher reads no tokenizer): before the data is tokenized, one line, exit 2."""
+    config = json.loads((DATA_DIR / "configs" / "models" / "tiny-llama.json").read_text())
+    small = tmp_path / "vocab64.json"
+    small.write_text(json.dumps({**config, "vocab_size": 64}))
+    run = forked.train("tiny-cpu", f"model.config={small}", f"train.output_dir={tmp_path / 'run'}")
+    err = [ln for ln in run.err.splitlines() if ln.strip()]
+    assert run.code == 2 and len(err) == 1 and "the model's vocab_size is 64" in err[0], run.err[-2000:]
+    assert not (tmp_path / "run" / "data_cache").exists()  # refused before tokenizing
 
 
 def test_train_fit_applies_and_records_the_fastest_fitting_configuration(tmp_path):

@@ -102,3 +102,25 @@ def test_good_recipe_validates(capsys):
     code, out, err = run_cli(["validate", "tiny-cpu", "train.lr=1e-4"], capsys)
     assert code == 0, err
     assert out.startswith("ok: tiny-cpu")
+
+
+def _config_with_vocab(tmp_path, rows: int) -> str:
+    import json
+
+    from shardtune.bundled import DATA_DIR
+
+    config = json.loads((DATA_DIR / "configs" / "models" / "tiny-llama.json").read_text())
+    path = tmp_path / f"vocab{rows}.json"
+    path.write_text(json.dumps({**config, "vocab_size": rows}))
+    return str(path)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path, capsys):
+    """builtin:char has 100 ids: a 64-row model would train on zero embeddings for the rest, without an error (the
+    trainer refuses too: tests/integration/test_cli_train.py)."""
+    code, _, err = run_cli(["validate", "tiny-cpu", f"model.config={_config_with_vocab(tmp_path, 64)}"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: model.tokenizer: the tokenizer has 100 tokens but the model's vocab_size is 64")
+    code, _, err = run_cli(["validate", "tiny-cpu", f"model.config={_config_with_vocab(tmp_path, 100)}"], capsys)
+    assert code == 0, err  # every id has its row

@@ -9,7 +9,7 @@ from shardtune.errors import UserError
 
 def recipe_problems(recipe: Recipe) -> list[str]:
     from shardtune.data.check import data_problems
-    from shardtune.model.build import build_tokenizer
+    from shardtune.model.build import build_tokenizer, check_vocab, load_config
     from shardtune.model.moe_checks import model_problems
     from shardtune.plan.model_limits import seq_len_problem
     from shardtune.trainer.trackers import tracker_problems
@@ -29,6 +29,10 @@ def recipe_problems(recipe: Recipe) -> list[str]:
         tok = build_tokenizer(recipe.model)
     except UserError as e:
         return [*problems, str(e)]
+    try:
+        check_vocab(tok, load_config(recipe.model), recipe.model)
+    except UserError as e:
+        problems.append(str(e))
     return problems + [line for p in data_problems(recipe.data, tok) for line in p.splitlines()]
 
 

@@ -94,3 +94,15 @@ def _load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def check_vocab(tok: PreTrainedTokenizerBase, hf_config: PretrainedConfig, cfg: ModelConfig) -> None:
+    """Every id the tokenizer can produce has an embedding row. A tokenizer paired with another model's config (a
+    Llama-3 tokenizer, 128,256 ids, on a 32,000-row config) would otherwise train on garbage without an error: on the
+    vocab-parallel table an id past the end matches no rank's rows and reads zeros."""
+    rows = getattr(hf_config.get_text_config(), "vocab_size", None)
+    if rows is not None and len(tok) > rows:
+        key = "model.tokenizer" if cfg.tokenizer else "model.path"
+        raise UserError(f"{key}: the tokenizer has {len(tok):,} tokens but the model's vocab_size is {rows:,}: ids "
+                        f"from {rows:,} on have no embedding row; use the model's own tokenizer, or a config with "
+                        f"vocab_size >= {len(tok):,}")

@@ -22,7 +22,7 @@ from shardtune.data import GlobalBatches, TokenizedData
 from shardtune.data.ranks import prepare_for_ranks
 from shardtune.engine.api import ShardedModel
 from shardtune.hub import fetch_for_ranks, is_hub_id
-from shardtune.model.build import build_model, build_tokenizer
+from shardtune.model.build import build_model, build_tokenizer, check_vocab, load_config
 from shardtune.trainer.evaluate import demo_samples, exact_match
 from shardtune.trainer.export import param_shapes, save_final, write_export_info
 from shardtune.trainer.metrics import MetricsLog
@@ -122,6 +122,7 @@ def setup(recipe: Recipe, *, simulated: bool = False) -> Run:
     if is_hub_id(recipe.model.path):
         fetch_for_ranks(recipe.model.path, rank=rt.rank)  # rank 0 downloads, the others wait
     tok = build_tokenizer(recipe.model)
+    check_vocab(tok, load_config(recipe.model), recipe.model)  # before the data is tokenized
     data = prepare_for_ranks(recipe.data, tok, seed=cfg.seed, output_dir=cfg.output_dir, rank=rt.rank)
     model = build_model(recipe.model, seed=cfg.seed, device=rt.device, sharded_init=True)  # filled by parallelize
     shapes = param_shapes(model)
