@@ -4,6 +4,7 @@ with one line saying so); a folder without config.json is one line, exit 2."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from shardtune.config.load import load_recipe
+from tests.integration import forked
 from tests.integration.runs import FAST, cli, losses
+from tests.unit.cli_helpers import run_cli
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
@@ -77,3 +80,20 @@ def test_folder_without_config_is_one_line(checkpoint, tmp_path):
     proc = cli("validate", "tiny-cpu", f"model.path={bare}", "model.init=pretrained", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_config_that_does_not_describe_the_weights_is_one_line(checkpoint, tmp_path, capsys):
+    """The folder's weights beside a config.json of another size (intermediate 256, its weights 128): validate
+    reads the files' headers, and the workers check them before loading (each rank's loader failed with a copy
+    error, reported as an internal error). One line naming the weight, both shapes; exit 2."""
+    folder = tmp_path / "resized"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+    code, _, err = run_cli(["validate", "tiny-cpu", f"model.path={folder}", "model.init=pretrained"], capsys)
+    said = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(said) == 1, err
+    assert "model.layers.0.mlp.gate_proj.weight as [128, 64]" in said[0] and "makes it [256, 64]" in said[0], said
+    run = forked.train("tiny-cpu", f"model.path={folder}", "model.init=pretrained", *FAST,
+                       f"train.output_dir={tmp_path / 'run'}")
+    assert run.code == 2 and [ln for ln in run.err.splitlines() if ln.strip()] == said, run.err[-2000:]

@@ -3,6 +3,8 @@ schedule. Each problem is one line; the command prints them all and exits 2 (a s
 so a 1 GB file costs what a small one does)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from shardtune.config.schema import ModelConfig, Recipe
 from shardtune.errors import UserError
 
@@ -42,8 +44,12 @@ def build_on_meta(cfg: ModelConfig) -> None:
     import torch
 
     from shardtune.config.dtypes import DTYPES
-    from shardtune.model.build import from_config, load_config
+    from shardtune.hub import is_hub_id
+    from shardtune.model.build import config_source, from_config, load_config
+    from shardtune.model.loading import check_checkpoint_shapes
 
     hf_config = load_config(cfg)
     with torch.device("meta"):
-        from_config(cfg, hf_config, dtype=DTYPES[cfg.dtype])
+        model = from_config(cfg, hf_config, dtype=DTYPES[cfg.dtype])
+    if cfg.init == "pretrained" and not is_hub_id(cfg.path):  # a hub id's weights are the trainer's to fetch
+        check_checkpoint_shapes(model, Path(cfg.path), config_source(cfg))

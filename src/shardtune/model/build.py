@@ -35,6 +35,11 @@ def load_config(cfg: ModelConfig) -> PretrainedConfig:
                         "point it at a config.json or a checkpoint folder") from None
 
 
+def config_source(cfg: ModelConfig) -> str:
+    """The config a model is built from, as a message names it."""
+    return f"model.config '{cfg.config}'" if cfg.config else "model.path's config.json"
+
+
 def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu",
                 sharded_init: bool = False) -> PreTrainedModel:
     """Parameters on the meta device, buffers real, when `parallelize` fills them shard by shard: pretrained (each

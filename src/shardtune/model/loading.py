@@ -102,6 +102,21 @@ class CheckpointFiles:
                 buf.copy_(self.handle(key).get_tensor(key))
 
 
+def check_checkpoint_shapes(model: nn.Module, path: Path, config_source: str) -> None:
+    """Each weight the checkpoint holds for `model` (built on meta from `config_source`) has the model's shape: a
+    config of another size of the architecture beside these weights is one line, not a copy error in every rank's
+    loader. Reads the files' headers only; weights the checkpoint lacks are the loaders' to report."""
+    with CheckpointFiles(path) as ckpt:
+        for name, p in model.named_parameters():
+            key = checkpoint_key(name)
+            if key in ckpt.files:
+                shape = list(ckpt.handle(key).get_slice(key).get_shape())
+                if shape != list(p.shape):
+                    raise UserError(f"model.path: '{ckpt.files[key]}' holds {key} as {shape} but {config_source} "
+                                    f"makes it {list(p.shape)}: that config describes another model (another size "
+                                    "of the architecture?); use the config saved with these weights")
+
+
 def load_into_shards(flats: list[Any], module: nn.Module, path: Path) -> None:
     """Fill each flat buffer's shard (`engine.flat_param.FlatParam`) with this rank's pieces of the checkpoint."""
     with CheckpointFiles(path) as ckpt:

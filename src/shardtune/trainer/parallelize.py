@@ -26,7 +26,8 @@ from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import find_units, resolve_unit_classes
 from shardtune.errors import UserError
 from shardtune.hub import WEIGHTS, model_dir
-from shardtune.model.loading import CheckpointFiles, load_into_shards
+from shardtune.model.build import config_source
+from shardtune.model.loading import CheckpointFiles, check_checkpoint_shapes, load_into_shards
 from shardtune.model.lora import apply_lora
 from shardtune.model.moe_checks import moe_problems
 from shardtune.model.seeded_init import init_into_shards
@@ -82,6 +83,8 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     #    Parameters still on meta (model.init=pretrained, or a random init built with sharded_init) are filled here:
     #    our engine fills each rank's shards only (from the files, or drawn one module at a time).
     pretrained = model_dir(recipe.model.path, WEIGHTS) if recipe.model.init == "pretrained" else None
+    if pretrained is not None:
+        check_checkpoint_shapes(model, pretrained, config_source(recipe.model))
     random_meta = pretrained is None and any(p.is_meta for p in model.parameters())
     init_dtype = DTYPES[recipe.model.dtype]
     if engine.backend == "torch":
