@@ -97,3 +97,24 @@ def test_a_config_that_does_not_describe_the_weights_is_one_line(checkpoint, tmp
     run = forked.train("tiny-cpu", f"model.path={folder}", "model.init=pretrained", *FAST,
                        f"train.output_dir={tmp_path / 'run'}")
     assert run.code == 2 and [ln for ln in run.err.splitlines() if ln.strip()] == said, run.err[-2000:]
+
+
+def test_a_tokenizer_without_eos_or_pad_trains_and_evaluates_with_one_warning(tmp_path):
+    """A BPE tokenizer saved with no special tokens: padding (the demo eval's generation batches) takes its id 0,
+    masked out; one warning says answers have no end marker (the eval's generation crashed with transformers'
+    "Asking to pad but the tokenizer does not have a padding token", an internal error)."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["reverse abc=cba"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "tok"
+    PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(folder)
+    config = json.loads(Path(load_recipe("tiny-cpu").model.config).read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    run = forked.train("tiny-cpu", f"model.tokenizer={folder}", f"model.config={tmp_path / 'config.json'}", *FAST,
+                       "train.max_steps=2", "train.demo_eval=true", "train.demo_eval_samples=2",
+                       f"train.output_dir={tmp_path / 'run'}")
+    assert run.code == 0, run.err[-2000:]
+    warned = [ln for ln in run.err.splitlines() if "has no eos_token" in ln]
+    assert len(warned) == 1 and warned[0].startswith("warning: model.tokenizer:"), run.err[-2000:]
+    assert "accuracy_after" in json.loads((tmp_path / "run" / "summary.json").read_text())

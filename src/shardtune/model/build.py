@@ -1,6 +1,7 @@
 """Model and tokenizer through Hugging Face: random init from a config, or a local pretrained checkpoint."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -96,8 +97,15 @@ def _load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     except (OSError, ValueError) as e:
         raise UserError(f"model.tokenizer: cannot load a tokenizer from '{source}' ({str(e).splitlines()[0][:120]}): "
                         "point it at a local tokenizer folder or tokenizer.json, or use builtin:char") from None
-    if tok.pad_token is None:
+    if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
+    elif tok.pad_token is None:
+        # Padding (eval batches, generation) needs an id; every use masks it out. Training needs no eos, but its
+        # absence is worth a line: nothing marks where an answer ends.
+        tok.pad_token = tok.unk_token or tok.convert_ids_to_tokens(0)
+        warnings.warn(f"model.tokenizer: '{source}' has no eos_token: documents are packed without an end marker "
+                      "and generated answers run to their max_new_tokens; add the model's eos_token to its "
+                      "tokenizer_config.json if it has one", stacklevel=2)
     return tok
 
 
