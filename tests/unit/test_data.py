@@ -100,7 +100,7 @@ def test_epoch_covers_every_row_once():
     assert num_targets(rows.labels[idx]) == num_targets(rows.labels)
 
 
-@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "txt", "saved"])
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "txt", "saved", "saved_splits"])
 def test_loads_files_and_saved_datasets(tmp_path, suffix):
     import datasets
 
@@ -112,8 +112,11 @@ def test_loads_files_and_saved_datasets(tmp_path, suffix):
         path.write_text("\n".join(texts) + "\n")
     elif suffix == "parquet":
         datasets.Dataset.from_dict({"text": texts}).to_parquet(str(path))
-    else:
+    elif suffix == "saved":
         datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(path))
+    else:  # a DatasetDict: its train split is read (the folder's own files were read as data files before)
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts}),
+                              "test": datasets.Dataset.from_dict({"text": ["not this"] * 5})}).save_to_disk(str(path))
     data = build_data(DataConfig(path=str(path), format="text", seq_len=32, eval_fraction=0.1, packing=False), TOK, seed=0)
     assert len(data.eval_raw) == 2
     decoded = {TOK.decode([t for t in row.tolist() if t > 3]) for row in data.train.take(range(len(data.train)))[0]}

@@ -48,7 +48,8 @@ def data_files(path: Path) -> list[Path]:
 
 
 def is_saved_dataset(path: Path) -> bool:
-    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists())
+    """A folder `save_to_disk` wrote: a Dataset, or a DatasetDict (its splits in subfolders; training reads "train")."""
+    return path.is_dir() and any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
 def check_not_empty(file: Path) -> None:
