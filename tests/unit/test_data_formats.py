@@ -76,6 +76,21 @@ def test_sharegpt_and_openai_give_the_same_tokens_and_train_only_assistant_turns
     assert labels == ids == a[0]
 
 
+def _parts(turns: list[dict]) -> list[dict]:
+    """The same turns with each content as a list of text parts (OpenAI's and TRL's content lists)."""
+    return [{**t, "content": [{"type": "text", "text": t["content"][:2]}, {"type": "text", "text": t["content"][2:]}]}
+            for t in turns]
+
+
+def test_content_lists_of_text_parts_train_as_their_text():
+    """Their text joined, not the list's Python repr ("[{'type': 'text', ...}]" was what the model saw)."""
+    assert encode_row({"messages": _parts(CHAT)}, DataConfig(format="chat"), TOK) == \
+        encode_row({"messages": CHAT}, DataConfig(format="chat"), TOK)
+    image = [{"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "hi"}]}]
+    with pytest.raises(UserError, match="content list has a 'image' part: only text parts"):
+        to_messages(image)
+
+
 def test_chat_keys_and_roles_errors_name_what_is_expected():
     with pytest.raises(UserError, match=r"expected \{from, value\}"):
         to_messages(CHAT, "sharegpt")

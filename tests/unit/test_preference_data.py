@@ -66,6 +66,19 @@ def test_chat_rows_and_remapped_fields(tmp_path):
     assert TOK.decode(ids[0][labels[0] != IGNORE]) == TOK.decode(c)
 
 
+def test_chat_pairs_read_their_turns_as_the_chat_format_does():
+    """ShareGPT turns and content lists in preference rows render as their OpenAI, plain-text twins (they went to
+    the chat template as written: ShareGPT's {from, value} rendered empty, a content list as its repr)."""
+    plain = {"prompt": [{"role": "user", "content": "hi there"}],
+             "chosen": [{"role": "assistant", "content": "good one"}], "rejected": [{"role": "assistant", "content": "no"}]}
+    sharegpt = {k: [{"from": {"user": "human", "assistant": "gpt"}[t["role"]], "value": t["content"]} for t in v]
+                for k, v in plain.items()}
+    parts = {k: [{"role": t["role"], "content": [{"type": "text", "text": t["content"]}]} for t in v]
+             for k, v in plain.items()}
+    cfg = DataConfig(format="preference")
+    assert encode_pair(sharegpt, cfg, TOK) == encode_pair(parts, cfg, TOK) == encode_pair(plain, cfg, TOK)
+
+
 def test_pairs_stay_whole_across_ranks_and_micro_batches(tmp_path):
     cfg = DataConfig(path="builtin:prefer-reverse", format="preference", seq_len=32, num_samples=80)
     data = build_data(cfg, TOK, seed=0, output_dir=str(tmp_path))

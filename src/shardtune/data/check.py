@@ -14,7 +14,8 @@ if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads file
 
 from shardtune.config.schema import DataConfig
 from shardtune.data.fields import resolve_fields
-from shardtune.data.formats import FORMATS, IGNORE, encode_batch, to_messages
+from shardtune.data.formats import FORMATS, IGNORE, encode_batch
+from shardtune.data.messages import to_messages
 from shardtune.data.sample import Sample, data_files, is_saved_dataset, read_sample
 from shardtune.data.sources import is_mix, sources
 from shardtune.errors import UserError

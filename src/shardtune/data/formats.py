@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads file
     from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
+from shardtune.data.messages import as_text as _text
+from shardtune.data.messages import to_messages
 from shardtune.data.pair_encoding import Encoded, encode_preference
 from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
@@ -33,12 +35,6 @@ class _NoLengthWarning(logging.Filter):
 
 logging.getLogger("transformers.tokenization_utils_base").addFilter(_NoLengthWarning())
 
-# ShareGPT's speaker names -> OpenAI roles (the names seen in the wild: human/gpt, user/assistant, system).
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-                  "bot": "assistant", "model": "assistant", "tool": "tool"}
-ROLES = ("system", "user", "assistant", "tool")
-
-
 @dataclass(frozen=True)
 class Format:
     encode: Callable[[dict[str, list[Any]], DataConfig, PreTrainedTokenizerBase], Encoded]
@@ -53,10 +49,6 @@ def _ids(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
 def _specials(tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
     return ([tok.bos_token_id] if tok.bos_token_id is not None else [],
             [tok.eos_token_id] if tok.eos_token_id is not None else [])
-
-
-def _text(x: Any) -> str:
-    return "" if x is None else str(x)
 
 
 def encode_text(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> Encoded:
@@ -112,34 +104,6 @@ def encode_batch(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTo
 
 def encode_row(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
     return encode_batch({k: [v] for k, v in row.items()}, cfg, tok)[0]
-
-
-def to_messages(turns: Any, style: str = "auto") -> list[dict[str, str]]:
-    """One row's turns as OpenAI messages. openai: {role, content}; sharegpt: {from, value} with human/gpt/system;
-    auto: either, per turn. Raises UserError naming the keys it expected."""
-    if not isinstance(turns, (list, tuple)):
-        raise UserError(f"data.format=chat: a row's turns must be a list of messages, got {type(turns).__name__}: "
-                        "set data.messages_field to the column holding them")
-    out = []
-    for t in turns:
-        if not isinstance(t, dict):
-            raise UserError(f"data.format=chat: a turn must be a mapping, got {t!r:.60}")
-        # Arrow gives every turn of a column all the keys any turn has (missing ones None): test values, not keys
-        if style != "sharegpt" and t.get("role") is not None and "content" in t:
-            role, content = t["role"], t["content"]
-        elif style != "openai" and t.get("from") is not None and "value" in t:
-            role = SHAREGPT_ROLES.get(str(t["from"]).lower(), t["from"])
-            content = t["value"]
-        else:
-            keys = {"openai": "{role, content}", "sharegpt": "{from, value}"}.get(style, "{role, content} (OpenAI) "
-                                                                               "or {from, value} (ShareGPT)")
-            raise UserError(f"data.format=chat: a turn has keys {sorted(k for k, v in t.items() if v is not None)}, expected {keys}: set data.chat_style "
-                            "(auto, openai, sharegpt) to match the data")
-        if role not in ROLES:
-            raise UserError(f"data.format=chat: unknown role {role!r}: expected {', '.join(ROLES)} (or ShareGPT's "
-                            "human, gpt, system)")
-        out.append({"role": role, "content": _text(content)})
-    return out
 
 
 def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase, *, train_on_inputs: bool = False

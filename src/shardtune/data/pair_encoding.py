@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
+from shardtune.data.messages import to_messages
 from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
 
@@ -62,10 +63,12 @@ def encode_pair(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBa
         if not tok.chat_template:
             raise UserError("data.format=preference: message-list rows need a tokenizer with a chat template: "
                             "use string values or another tokenizer")
+        prompt = to_messages(prompt, cfg.chat_style)  # ShareGPT turns, content lists: as the chat format reads them
         before = as_ids(tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
         out = [before]
         for resp in (chosen, rejected):
-            turns = resp if isinstance(resp, list) else [{"role": "assistant", "content": str(resp)}]
+            turns = to_messages(resp, cfg.chat_style) if isinstance(resp, list) else \
+                [{"role": "assistant", "content": str(resp)}]
             full = as_ids(tok.apply_chat_template(prompt + turns, tokenize=True))
             if full[: len(before)] != before:
                 raise UserError("data.format=preference: the chat template does not render the response after "

@@ -1,0 +1,60 @@
+"""Chat rows as OpenAI messages ({role, content}), whichever way the data writes them: OpenAI's turns, ShareGPT's
+{from, value}, content as a string or as a list of text parts. The chat and preference formats both read turns
+through `to_messages`, so a conversation renders the same in either."""
+from __future__ import annotations
+
+from typing import Any
+
+from shardtune.errors import UserError
+
+# ShareGPT's speaker names -> OpenAI roles (the names seen in the wild: human/gpt, user/assistant, system).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "bot": "assistant", "model": "assistant", "tool": "tool"}
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def as_text(x: Any) -> str:
+    return "" if x is None else str(x)
+
+
+def to_messages(turns: Any, style: str = "auto") -> list[dict[str, str]]:
+    """One row's turns as OpenAI messages. openai: {role, content}; sharegpt: {from, value} with human/gpt/system;
+    auto: either, per turn. Raises UserError naming the keys it expected."""
+    if not isinstance(turns, (list, tuple)):
+        raise UserError(f"data.format=chat: a row's turns must be a list of messages, got {type(turns).__name__}: "
+                        "set data.messages_field to the column holding them")
+    out = []
+    for t in turns:
+        if not isinstance(t, dict):
+            raise UserError(f"data.format=chat: a turn must be a mapping, got {t!r:.60}")
+        # Arrow gives every turn of a column all the keys any turn has (missing ones None): test values, not keys
+        if style != "sharegpt" and t.get("role") is not None and "content" in t:
+            role, content = t["role"], t["content"]
+        elif style != "openai" and t.get("from") is not None and "value" in t:
+            role = SHAREGPT_ROLES.get(str(t["from"]).lower(), t["from"])
+            content = t["value"]
+        else:
+            keys = {"openai": "{role, content}", "sharegpt": "{from, value}"}.get(style, "{role, content} (OpenAI) "
+                                                                               "or {from, value} (ShareGPT)")
+            raise UserError(f"data.format=chat: a turn has keys {sorted(k for k, v in t.items() if v is not None)}, expected {keys}: set data.chat_style "
+                            "(auto, openai, sharegpt) to match the data")
+        if role not in ROLES:
+            raise UserError(f"data.format=chat: unknown role {role!r}: expected {', '.join(ROLES)} (or ShareGPT's "
+                            "human, gpt, system)")
+        out.append({"role": role, "content": _content_text(content)})
+    return out
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a content list (OpenAI's and TRL's
+    [{"type": "text", "text": ...}], joined). Another part (an image) is refused: these models read text only."""
+    if not isinstance(content, (list, tuple)):
+        return as_text(content)
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise UserError(f"data.format=chat: a message's content list has a {kind!r} part: only text parts "
+                            "({type: text, text: ...}) are trained on; drop the others from the data")
+        texts.append(as_text(part.get("text")))
+    return "".join(texts)
