@@ -33,6 +33,7 @@ class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
+    warned: bool = False  # the clamped budget's warning (new_tokens) is printed once a session
 
 
 @dataclass
@@ -184,12 +185,29 @@ def complete(loaded: Loaded, text: str, s: Sampling) -> str:
     sample = s.temperature > 0
     stop = turn_end(loaded)
     with torch.no_grad(), generation_attention(model):  # a KV cache: transformers' SDPA (model/attention_mask.py)
-        out = model.generate(**enc, max_new_tokens=s.max_new_tokens, do_sample=sample,
+        out = model.generate(**enc, max_new_tokens=new_tokens(loaded, enc["input_ids"].shape[1], s), do_sample=sample,
                              temperature=s.temperature if sample else None, top_p=s.top_p if sample else None,
                              top_k=None, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                              **({"stop_strings": [stop], "tokenizer": tok} if stop else {}))
     reply = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return reply.split(stop, 1)[0] if stop else reply
+
+
+def new_tokens(loaded: Loaded, prompt_tokens: int, s: Sampling) -> int:
+    """--max-new-tokens, within the positions the model was built for (max_position_embeddings): past them a
+    rotary model runs on untrained positions (transformers only warns) and a long budget decodes for minutes. A
+    prompt that fills them is a UserError."""
+    limit = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
+    if limit is None or prompt_tokens + s.max_new_tokens <= limit:
+        return s.max_new_tokens
+    if prompt_tokens >= limit:
+        raise UserError(f"generate: the prompt is {prompt_tokens:,} tokens and the model reads at most {limit:,} "
+                        "(max_position_embeddings): shorten it (in chat, /reset starts over)")
+    if not s.warned:
+        print(f"warning: --max-new-tokens {s.max_new_tokens:,} goes past the model's {limit:,} positions: each reply "
+              f"stops there ({limit - prompt_tokens:,} new tokens after this prompt)", file=sys.stderr)
+        s.warned = True
+    return limit - prompt_tokens
 
 
 def turn_end(loaded: Loaded) -> str | None:
@@ -228,7 +246,11 @@ def chat_loop(loaded: Loaded, s: Sampling, stdin: Any = sys.stdin, stdout: Any =
         if prompt.strip() == "/reset":
             history = []
             continue
-        reply = complete(loaded, render(loaded, prompt, history if keeps else None, system=system), s)
+        try:
+            reply = complete(loaded, render(loaded, prompt, history if keeps else None, system=system), s)
+        except UserError as e:  # the conversation outgrew the model's positions: say so, keep the session
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            continue
         print(reply, file=stdout, flush=True)
         if keeps:
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
