@@ -89,3 +89,18 @@ def test_a_tracker_not_installed_is_one_line_naming_the_extra(tmp_path, capsys, 
         code, _, err = run_cli([command, "tiny-cpu", "train.report_to=wandb", f"train.output_dir={tmp_path}"], capsys)
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1 and "pip install 'shardtune[wandb]'" in lines[0], err
+
+
+def test_wandb_without_credentials_is_one_line_naming_the_fixes(tmp_path, monkeypatch):
+    """A fresh machine: no `wandb login`, no WANDB_API_KEY, online mode. wandb.init's UsageError was a traceback
+    (an internal error of rank 0); it is the UserError rank 0 hands the launcher, naming login, the key and
+    offline mode."""
+    from shardtune.errors import UserError
+    from shardtune.trainer.trackers import Trackers
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(UserError, match=r"train\.report_to: wandb could not start a run \(No API key") as e:
+        Trackers(["wandb"], tmp_path / "run", {"train": {"lr": 1e-4}}, resume=False)
+    assert all(fix in str(e.value) for fix in ("wandb login", "WANDB_API_KEY", "WANDB_MODE=offline"))

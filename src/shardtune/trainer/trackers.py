@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardtune.errors import UserError
+
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> the module it needs
 IDS_FILE = "trackers.json"
 MLFLOW_BATCH = 100  # MLflow's limit of params (and metrics) per log_batch call
@@ -74,8 +76,14 @@ class Trackers:
 def _start_wandb(run_dir: Path, config: dict[str, Any], run_id: str | None) -> Any:
     import wandb
 
-    run = wandb.init(project=os.environ.get("WANDB_PROJECT", "shardtune"), name=run_dir.name, config=config,
-                     dir=os.environ.get("WANDB_DIR", str(run_dir)), id=run_id, resume="allow" if run_id else None)
+    try:
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", "shardtune"), name=run_dir.name, config=config,
+                         dir=os.environ.get("WANDB_DIR", str(run_dir)), id=run_id, resume="allow" if run_id else None)
+    except wandb.errors.Error as e:  # no API key (a fresh machine), a server out of reach, a key refused
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"train.report_to: wandb could not start a run ({first}): run `wandb login` or export "
+                        "WANDB_API_KEY, or set WANDB_MODE=offline to log into the run directory (`wandb sync` "
+                        "uploads it later)") from None
     # Our own step as the x axis: a resumed run re-logs the steps after its checkpoint, which W&B's internal,
     # strictly increasing step would drop.
     run.define_metric("*", step_metric="step")
