@@ -104,3 +104,25 @@ def test_wandb_without_credentials_is_one_line_naming_the_fixes(tmp_path, monkey
     with pytest.raises(UserError, match=r"train\.report_to: wandb could not start a run \(No API key") as e:
         Trackers(["wandb"], tmp_path / "run", {"train": {"lr": 1e-4}}, resume=False)
     assert all(fix in str(e.value) for fix in ("wandb login", "WANDB_API_KEY", "WANDB_MODE=offline"))
+
+
+def test_an_mlflow_server_that_does_not_answer_is_one_line(tmp_path, monkeypatch):
+    """Checked before any worker starts (validate and train's launcher): MLflow itself retries a refused connection
+    for ~4 minutes, then raised in rank 0 (an internal error). A server lost after that check is the worker's
+    UserError."""
+    import socket
+
+    from shardtune.errors import UserError
+    from shardtune.trainer.trackers import Trackers, tracker_problems
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    assert tracker_problems(["mlflow"]) == [
+        f"train.report_to: MLflow's server MLFLOW_TRACKING_URI=http://127.0.0.1:{port} does not answer (Connection "
+        "refused): start it, or unset MLFLOW_TRACKING_URI to log into the run directory's mlruns/"]
+    assert tracker_problems(["wandb"]) == []  # only asked-for trackers are checked
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(UserError, match=r"train\.report_to: MLflow could not start a run \(API request to"):
+        Trackers(["mlflow"], tmp_path / "run", {"train": {"lr": 1e-4}}, resume=False)

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,27 @@ MLFLOW_BATCH = 100  # MLflow's limit of params (and metrics) per log_batch call
 
 
 def tracker_problems(report_to: list[str]) -> list[str]:
-    """One line per tracker asked for whose library is not installed (the extra to install is named)."""
-    return [f"train.report_to: {name} is not installed: pip install 'shardtune[{name}]' (or remove {name} from "
-            "train.report_to)" for name in report_to
-            if name != "tensorboard" and importlib.util.find_spec(TRACKERS[name]) is None]
+    """One line per tracker asked for whose library is not installed (the extra to install is named), or whose
+    MLflow server does not answer: MLflow retries a refused connection for ~4 minutes before it raises."""
+    problems = [f"train.report_to: {name} is not installed: pip install 'shardtune[{name}]' (or remove {name} "
+                "from train.report_to)" for name in report_to
+                if name != "tensorboard" and importlib.util.find_spec(TRACKERS[name]) is None]
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in report_to and uri.startswith(("http://", "https://")):
+        problems += [p for p in [_unreachable(uri)] if p]
+    return problems
+
+
+def _unreachable(uri: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    url = urlsplit(uri)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=10).close()
+    except OSError as e:
+        return (f"train.report_to: MLflow's server MLFLOW_TRACKING_URI={uri} does not answer ({e.strerror or e}): "
+                "start it, or unset MLFLOW_TRACKING_URI to log into the run directory's mlruns/")
+    return None
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -92,6 +110,16 @@ def _start_wandb(run_dir: Path, config: dict[str, Any], run_id: str | None) -> A
 
 class _MlflowRun:
     def __init__(self, run_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._start(run_dir, config, run_id)
+        except MlflowException as e:  # a server that went away after the launcher's check, a refused token
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise UserError(f"train.report_to: MLflow could not start a run ({first}): check MLFLOW_TRACKING_URI "
+                            "and its credentials, or unset it to log into the run directory's mlruns/") from None
+
+    def _start(self, run_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
