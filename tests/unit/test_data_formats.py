@@ -91,6 +91,31 @@ def test_content_lists_of_text_parts_train_as_their_text():
         to_messages(image)
 
 
+# OpenAI's tool calling, as TRL's datasets write it: the assistant calls, the tool answers, the assistant replies
+TOOL_CHAT = [{"role": "user", "content": "6 x 7?"},
+             {"role": "assistant", "content": None,
+              "tool_calls": [{"type": "function", "function": {"name": "mul", "arguments": '{"a": 6, "b": 7}'}}]},
+             {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "mul"},
+             {"role": "assistant", "content": "42"}]
+TOOL_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}:{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+                 "call {{ c['function']['name'] }}{{ c['function']['arguments'] }}{% endfor %}{% else %}"
+                 "{{ m['content'] }}{% endif %}</s>{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_tool_calls_train_as_the_template_writes_them():
+    """The calling turn trains on the call the template renders (it trained as an empty reply: the calls were
+    dropped); the tool's answer is context; a template that ignores tool_calls is refused."""
+    tok = build_char_tokenizer()
+    tok.chat_template = TOOL_TEMPLATE
+    ids, labels = encode_row({"messages": TOOL_CHAT}, DataConfig(format="chat"), tok)
+    trained = tok.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
+    assert trained == 'call mul{"a": 6, "b": 7}</s>42</s>', trained
+    assert "tool:42</s>" in tok.decode(ids)
+    assert to_messages(TOOL_CHAT)[2] == {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "mul"}
+    with pytest.raises(UserError, match="the chat template does not render them"):
+        encode_row({"messages": TOOL_CHAT}, DataConfig(format="chat"), TOK)  # builtin:char's template
+
+
 def test_chat_keys_and_roles_errors_name_what_is_expected():
     with pytest.raises(UserError, match=r"expected \{from, value\}"):
         to_messages(CHAT, "sharegpt")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads file
 
 from shardtune.config.schema import DataConfig
 from shardtune.data.messages import as_text as _text
-from shardtune.data.messages import to_messages
+from shardtune.data.messages import check_tool_calls, to_messages
 from shardtune.data.pair_encoding import Encoded, encode_preference
 from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
@@ -114,6 +114,7 @@ def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase, *
     if not tok.chat_template:
         raise UserError("data.format=chat: the tokenizer has no chat template: set model.chat_template=chatml (or "
                         "plain, or a Jinja string), or use data.format=instruction")
+    check_tool_calls(messages, tok)
     ids: list[int] = []
     labels: list[int] = []
     for i, msg in enumerate(messages):
@@ -139,6 +140,7 @@ def _encode_prompt_completion(prompt: list[dict[str, str]], completion: list[dic
     if not tok.chat_template:
         raise UserError("data.format=chat: the tokenizer has no chat template: set model.chat_template=chatml (or "
                         "plain, or a Jinja string)")
+    check_tool_calls(prompt + completion, tok)
     before = as_ids(tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
     ids = as_ids(tok.apply_chat_template(prompt + completion, tokenize=True))
     if ids[: len(before)] != before:

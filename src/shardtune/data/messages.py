@@ -11,13 +11,14 @@ from shardtune.errors import UserError
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "bot": "assistant", "model": "assistant", "tool": "tool"}
 ROLES = ("system", "user", "assistant", "tool")
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # kept on a message when the data has them
 
 
 def as_text(x: Any) -> str:
     return "" if x is None else str(x)
 
 
-def to_messages(turns: Any, style: str = "auto") -> list[dict[str, str]]:
+def to_messages(turns: Any, style: str = "auto") -> list[dict[str, Any]]:
     """One row's turns as OpenAI messages. openai: {role, content}; sharegpt: {from, value} with human/gpt/system;
     auto: either, per turn. Raises UserError naming the keys it expected."""
     if not isinstance(turns, (list, tuple)):
@@ -41,8 +42,24 @@ def to_messages(turns: Any, style: str = "auto") -> list[dict[str, str]]:
         if role not in ROLES:
             raise UserError(f"data.format=chat: unknown role {role!r}: expected {', '.join(ROLES)} (or ShareGPT's "
                             "human, gpt, system)")
-        out.append({"role": role, "content": _content_text(content)})
+        message: dict[str, Any] = {"role": role, "content": _content_text(content)}
+        # OpenAI's tool calling, as TRL passes it to the template: the assistant's calls, the tool reply's call id
+        message.update({k: t[k] for k in TOOL_KEYS if t.get(k) not in (None, [])})
+        out.append(message)
     return out
+
+
+def check_tool_calls(messages: list[dict[str, Any]], tok: Any) -> None:
+    """A chat template that ignores `tool_calls` (chatml, plain, many models' own) would train each calling turn as
+    an empty reply: refused, naming the fix. `tok`: the tokenizer whose template renders the rows."""
+    if not any("tool_calls" in m for m in messages):
+        return
+    bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    if tok.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(bare, tokenize=False):
+        raise UserError("data.format=chat: the rows hold assistant tool_calls but the chat template does not render "
+                        "them (each calling turn would train as an empty reply): set model.chat_template to a "
+                        "template that writes tool calls (the model's own, if it was trained with tools), or drop "
+                        "the tool turns from the data")
 
 
 def _content_text(content: Any) -> str:

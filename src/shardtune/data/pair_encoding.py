@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
-from shardtune.data.messages import to_messages
+from shardtune.data.messages import check_tool_calls, to_messages
 from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
 
@@ -64,11 +64,13 @@ def encode_pair(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBa
             raise UserError("data.format=preference: message-list rows need a tokenizer with a chat template: "
                             "use string values or another tokenizer")
         prompt = to_messages(prompt, cfg.chat_style)  # ShareGPT turns, content lists: as the chat format reads them
+        check_tool_calls(prompt, tok)
         before = as_ids(tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
         out = [before]
         for resp in (chosen, rejected):
             turns = to_messages(resp, cfg.chat_style) if isinstance(resp, list) else \
                 [{"role": "assistant", "content": str(resp)}]
+            check_tool_calls(prompt + turns, tok)
             full = as_ids(tok.apply_chat_template(prompt + turns, tokenize=True))
             if full[: len(before)] != before:
                 raise UserError("data.format=preference: the chat template does not render the response after "
