@@ -62,3 +62,16 @@ def disk_full(err: BaseException) -> bool:
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [e.__cause__, e.__context__]
     return False
+
+
+def check_dir_creatable(path: str | Path, key: str) -> None:
+    """UserError when directory `path` (recipe key `key`) cannot be made or written: a file where a folder must go,
+    a read-only place. Checked at its first existing ancestor, before anything is created."""
+    target = Path(path).absolute()
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{key}: '{path}' cannot be a folder: '{probe}' is a file; choose another {key}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{key}: '{path}' cannot be written: '{probe}' is read-only here; choose another {key}")

@@ -124,3 +124,21 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path, cap
     assert lines[0].startswith("error: model.tokenizer: the tokenizer has 100 tokens but the model's vocab_size is 64")
     code, _, err = run_cli(["validate", "tiny-cpu", f"model.config={_config_with_vocab(tmp_path, 100)}"], capsys)
     assert code == 0, err  # every id has its row
+
+
+@pytest.mark.parametrize("command,key", [("validate", "train.output_dir"), ("train", "train.output_dir"),
+                                         ("prepare", "data.cache_dir")])
+def test_a_run_folder_that_cannot_be_made_is_one_line(tmp_path, capsys, command, key):
+    """A file where the run's folder must go: train and prepare printed mkdir's NotADirectoryError traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, _, err = run_cli([command, "tiny-cpu", f"{key}={blocker / 'run'}"], capsys)
+    assert code == 2 and err.strip() == (f"error: {key}: '{blocker / 'run'}' cannot be a folder: '{blocker}' is a "
+                                         f"file; choose another {key}"), err
+
+
+def test_a_path_the_file_system_refuses_is_one_line(capsys):
+    """What the checks cannot foresee (here /proc, which refuses new folders even to root): the OS's reason and the
+    path, exit 2, no traceback."""
+    code, _, err = run_cli(["train", "tiny-cpu", "train.output_dir=/proc/shardtune-run"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'/proc/shardtune-run'" in err, err

@@ -319,6 +319,11 @@ def main() -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # the file system refused a path the command was given or derived (checked ones: above)
+        if e.filename is None:
+            raise
+        print(f"error: {e.strerror}: '{e.filename}': check the path and its folder's permissions", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:  # only outside typer's own handling (e.g. while a command's imports ran)
         sys.exit(_interrupted())
     except SystemExit as e:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from shardtune.checkpoint.paths import explicit_resume_dir
 from shardtune.config.load import to_recipe, to_yaml
 from shardtune.config.schema import Recipe, check_world
-from shardtune.disk import write_text_atomic
+from shardtune.disk import check_dir_creatable, write_text_atomic
 from shardtune.errors import UserError
 from shardtune.launcher.run_lock import RunLock
 from shardtune.plan.model_limits import check_model_limits
@@ -55,7 +55,15 @@ def check_launch(recipe: Recipe) -> int:
     if recipe.launch.nnodes > 1 and not recipe.launch.rdzv_endpoint:
         raise UserError("launch.nnodes > 1 needs launch.rdzv_endpoint=HOST:PORT (the first node's address)")
     explicit_resume_dir(recipe.train.resume)  # a bad path fails here, not after the workers have started
+    check_run_dirs(recipe)
     return nproc
+
+
+def check_run_dirs(recipe: Recipe) -> None:
+    """The folders a run writes can be made (the run directory, the tokenized cache): one line naming the key."""
+    check_dir_creatable(recipe.train.output_dir, "train.output_dir")
+    if recipe.data.cache_dir:
+        check_dir_creatable(recipe.data.cache_dir, "data.cache_dir")
 
 
 def worker_threads(recipe: Recipe, nproc: int) -> int | None:

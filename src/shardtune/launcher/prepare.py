@@ -14,9 +14,11 @@ BAR_WIDTH = 40
 def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
     from shardtune.config.load import load_recipe
     from shardtune.data.check import check_data_head
+    from shardtune.launcher.launch import check_run_dirs
     from shardtune.plan.model_limits import check_model_limits
 
     recipe = load_recipe(recipe_arg, overrides)
+    check_run_dirs(recipe)  # the cache goes under data.cache_dir or train.output_dir
     # What validate and train's launcher refuse, refused alike before anything heavy (torch, transformers) loads.
     check_model_limits(recipe)
     check_data_head(recipe.data)
