@@ -116,6 +116,30 @@ def test_tool_calls_train_as_the_template_writes_them():
         encode_row({"messages": TOOL_CHAT}, DataConfig(format="chat"), TOK)  # builtin:char's template
 
 
+MUL = {"type": "function", "function": {"name": "mul", "description": None,
+                                        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+
+
+def test_a_tools_column_reaches_the_template():
+    """TRL's `tools` column (the functions' schemas, a list or a JSON string; Arrow's nulls dropped) is rendered
+    into the prompt, untrained; a template that does not list tools is refused (the calls would train without the
+    definitions)."""
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% if tools %}tools:{{ tools | tojson }}</s>{% endif %}" + TOOL_TEMPLATE
+    cfg = DataConfig(format="chat")
+    as_list = encode_row({"messages": TOOL_CHAT, "tools": [MUL]}, cfg, tok)
+    as_json = encode_row({"messages": TOOL_CHAT, "tools": json.dumps([MUL])}, cfg, tok)
+    assert as_list == as_json
+    text = tok.decode(as_list[0])
+    assert text.startswith('tools:[{"type": "function", "function": {"name": "mul", "parameters"'), text
+    assert "description" not in text  # the null Arrow would fill in
+    assert tok.decode([i for i, lab in zip(*as_list) if lab != IGNORE]) == 'call mul{"a": 6, "b": 7}</s>42</s>'
+    assert encode_row({"messages": TOOL_CHAT, "tools": None}, cfg, tok) == encode_row({"messages": TOOL_CHAT}, cfg, tok)
+    tok.chat_template = TOOL_TEMPLATE  # writes calls, lists no tools
+    with pytest.raises(UserError, match="have a tools column but the chat template does not render it"):
+        encode_row({"messages": TOOL_CHAT, "tools": [MUL]}, cfg, tok)
+
+
 def test_chat_keys_and_roles_errors_name_what_is_expected():
     with pytest.raises(UserError, match=r"expected \{from, value\}"):
         to_messages(CHAT, "sharegpt")

@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads file
     from transformers import PreTrainedTokenizerBase
 
 from shardtune.config.schema import DataConfig
+from shardtune.data.messages import TOOLS_COLUMN, check_tool_calls, row_tools, to_messages
 from shardtune.data.messages import as_text as _text
-from shardtune.data.messages import check_tool_calls, to_messages
 from shardtune.data.pair_encoding import Encoded, encode_preference
 from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
@@ -81,11 +81,15 @@ def encode_chat(batch: dict[str, list[Any]], cfg: DataConfig, tok: PreTrainedTok
     conversational prompt/completion layout (fields.py leaves messages_field empty for them) take the loss on the
     completion's tokens only, whatever roles the prompt holds."""
     if not cfg.messages_field:
+        rows = batch[cfg.prompt_field]
+        tools = batch.get(TOOLS_COLUMN) or [None] * len(rows)
         return [_encode_prompt_completion(to_messages(p, cfg.chat_style), to_messages(c, cfg.chat_style), tok,
-                                          train_on_inputs=cfg.train_on_inputs)
-                for p, c in zip(batch[cfg.prompt_field], batch[cfg.response_field])]
-    return [_encode_chat(to_messages(m, cfg.chat_style), tok, train_on_inputs=cfg.train_on_inputs)
-            for m in batch[cfg.messages_field]]
+                                          train_on_inputs=cfg.train_on_inputs, tools=row_tools(t))
+                for p, c, t in zip(rows, batch[cfg.response_field], tools)]
+    rows = batch[cfg.messages_field]
+    tools = batch.get(TOOLS_COLUMN) or [None] * len(rows)
+    return [_encode_chat(to_messages(m, cfg.chat_style), tok, train_on_inputs=cfg.train_on_inputs, tools=row_tools(t))
+            for m, t in zip(rows, tools)]
 
 
 FORMATS: dict[str, Format] = {
@@ -106,22 +110,22 @@ def encode_row(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBas
     return encode_batch({k: [v] for k, v in row.items()}, cfg, tok)[0]
 
 
-def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase, *, train_on_inputs: bool = False
-                 ) -> tuple[list[int], list[int]]:
+def _encode_chat(messages: list[dict[str, Any]], tok: PreTrainedTokenizerBase, *, train_on_inputs: bool = False,
+                 tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
     """Only assistant turns are trained (all tokens with train_on_inputs). Works with any chat template: each
     assistant turn's tokens are the difference between the rendering up to it (with the generation prompt) and the
     rendering including it."""
     if not tok.chat_template:
         raise UserError("data.format=chat: the tokenizer has no chat template: set model.chat_template=chatml (or "
                         "plain, or a Jinja string), or use data.format=instruction")
-    check_tool_calls(messages, tok)
+    check_tool_calls(messages, tok, tools)
     ids: list[int] = []
     labels: list[int] = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = as_ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True))
-        after = as_ids(tok.apply_chat_template(messages[: i + 1], tokenize=True))
+        before = as_ids(tok.apply_chat_template(messages[:i], tools=tools, tokenize=True, add_generation_prompt=True))
+        after = as_ids(tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=True))
         if after[: len(before)] != before:
             raise UserError("data.format=chat: the chat template does not render turns as a prefix: "
                             "set model.chat_template=chatml or use data.format=instruction")
@@ -132,17 +136,17 @@ def _encode_chat(messages: list[dict[str, str]], tok: PreTrainedTokenizerBase, *
     return ids, list(ids) if train_on_inputs else labels
 
 
-def _encode_prompt_completion(prompt: list[dict[str, str]], completion: list[dict[str, str]],
-                              tok: PreTrainedTokenizerBase, *, train_on_inputs: bool = False
-                              ) -> tuple[list[int], list[int]]:
+def _encode_prompt_completion(prompt: list[dict[str, Any]], completion: list[dict[str, Any]],
+                              tok: PreTrainedTokenizerBase, *, train_on_inputs: bool = False,
+                              tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
     """The prompt rendered with the generation prompt, then prompt + completion: the tokens after the first
     rendering are the targets (as TRL's SFTTrainer builds its completion mask)."""
     if not tok.chat_template:
         raise UserError("data.format=chat: the tokenizer has no chat template: set model.chat_template=chatml (or "
                         "plain, or a Jinja string)")
-    check_tool_calls(prompt + completion, tok)
-    before = as_ids(tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
-    ids = as_ids(tok.apply_chat_template(prompt + completion, tokenize=True))
+    check_tool_calls(prompt + completion, tok, tools)
+    before = as_ids(tok.apply_chat_template(prompt, tools=tools, tokenize=True, add_generation_prompt=True))
+    ids = as_ids(tok.apply_chat_template(prompt + completion, tools=tools, tokenize=True))
     if ids[: len(before)] != before:
         raise UserError("data.format=chat: the chat template does not render the completion after the prompt as a "
                         "prefix: set model.chat_template=chatml")

@@ -3,6 +3,7 @@
 through `to_messages`, so a conversation renders the same in either."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from shardtune.errors import UserError
@@ -12,6 +13,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "bot": "assistant", "model": "assistant", "tool": "tool"}
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # kept on a message when the data has them
+TOOLS_COLUMN = "tools"  # TRL's column of the function schemas a row's assistant may call, passed to the template
 
 
 def as_text(x: Any) -> str:
@@ -49,17 +51,45 @@ def to_messages(turns: Any, style: str = "auto") -> list[dict[str, Any]]:
     return out
 
 
-def check_tool_calls(messages: list[dict[str, Any]], tok: Any) -> None:
+def row_tools(value: Any) -> list[dict[str, Any]] | None:
+    """A row's TOOLS_COLUMN as the chat template takes it: None when empty, a JSON string parsed, and the nulls Arrow
+    fills into schemas of other shapes (every key any row's schema has) removed."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise UserError(f"data.format=chat: a row's {TOOLS_COLUMN} column is not JSON ({value[:60]!r}): give "
+                            "a list of function schemas, as a list or a JSON string") from None
+    return [_without_nulls(t) for t in (value if isinstance(value, list) else [value])]
+
+
+def _without_nulls(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _without_nulls(v) for k, v in x.items() if v is not None}
+    return [_without_nulls(v) for v in x] if isinstance(x, list) else x
+
+
+def check_tool_calls(messages: list[dict[str, Any]], tok: Any, tools: list[dict[str, Any]] | None = None) -> None:
     """A chat template that ignores `tool_calls` (chatml, plain, many models' own) would train each calling turn as
-    an empty reply: refused, naming the fix. `tok`: the tokenizer whose template renders the rows."""
-    if not any("tool_calls" in m for m in messages):
-        return
-    bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
-    if tok.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(bare, tokenize=False):
-        raise UserError("data.format=chat: the rows hold assistant tool_calls but the chat template does not render "
-                        "them (each calling turn would train as an empty reply): set model.chat_template to a "
-                        "template that writes tool calls (the model's own, if it was trained with tools), or drop "
-                        "the tool turns from the data")
+    an empty reply, and one that ignores `tools` would train calls to functions the prompt never defines: refused,
+    naming the fix. `tok`: the tokenizer whose template renders the rows."""
+    def render(msgs: list[dict[str, Any]], with_tools: list[dict[str, Any]] | None) -> str:
+        return tok.apply_chat_template(msgs, tools=with_tools, tokenize=False)
+
+    if any("tool_calls" in m for m in messages):
+        bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        if render(messages, tools) == render(bare, tools):
+            raise UserError("data.format=chat: the rows hold assistant tool_calls but the chat template does not "
+                            "render them (each calling turn would train as an empty reply): set model.chat_template "
+                            "to a template that writes tool calls (the model's own, if it was trained with tools), "
+                            "or drop the tool turns from the data")
+    if tools and render(messages, tools) == render(messages, None):
+        raise UserError(f"data.format=chat: the rows have a {TOOLS_COLUMN} column but the chat template does not "
+                        "render it (calls would train without the functions' definitions): set model.chat_template "
+                        f"to a template that lists tools (the model's own, if it was trained with them), or drop the "
+                        f"{TOOLS_COLUMN} column")
 
 
 def _content_text(content: Any) -> str:
