@@ -4,9 +4,13 @@ so a 1 GB file costs what a small one does)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardtune.config.schema import ModelConfig, Recipe
 from shardtune.errors import UserError
+
+if TYPE_CHECKING:  # the launcher loads transformers only when validate builds the model
+    from transformers import PretrainedConfig
 
 
 def recipe_problems(recipe: Recipe) -> list[str]:
@@ -22,8 +26,9 @@ def recipe_problems(recipe: Recipe) -> list[str]:
         problems.append(f"train.warmup_steps={t.warmup_steps} >= train.max_steps={t.max_steps}: the learning rate "
                         "would never leave warmup; lower train.warmup_steps")
     problems += [p for p in [seq_len_problem(recipe)] if p]
+    hf_config = None
     try:
-        build_on_meta(recipe.model)
+        hf_config = build_on_meta(recipe.model)
         problems += model_problems(recipe)
     except UserError as e:
         problems.append(str(e))
@@ -32,13 +37,13 @@ def recipe_problems(recipe: Recipe) -> list[str]:
     except UserError as e:
         return [*problems, str(e)]
     try:
-        check_vocab(tok, load_config(recipe.model), recipe.model)
+        check_vocab(tok, hf_config or load_config(recipe.model), recipe.model)  # read once when the build got it
     except UserError as e:
         problems.append(str(e))
     return problems + [line for p in data_problems(recipe.data, tok) for line in p.splitlines()]
 
 
-def build_on_meta(cfg: ModelConfig) -> None:
+def build_on_meta(cfg: ModelConfig) -> PretrainedConfig:
     """Build the model as training will, on the meta device (no memory, ~1 s beyond the imports): a config
     transformers reads but cannot build from fails here, as one line, not in every rank."""
     import torch
@@ -53,3 +58,4 @@ def build_on_meta(cfg: ModelConfig) -> None:
         model = from_config(cfg, hf_config, dtype=DTYPES[cfg.dtype])
     if cfg.init == "pretrained" and not is_hub_id(cfg.path):  # a hub id's weights are the trainer's to fetch
         check_checkpoint_shapes(model, Path(cfg.path), config_source(cfg))
+    return hf_config
