@@ -1,13 +1,16 @@
 """Sharded loading (model.init=pretrained): meta build, each rank reads only its pieces; equals from_pretrained,
-single-file and multi-file (index) checkpoints; peak host bytes while loading <= own shards + largest tensor. A tied
+single-file and multi-file (index) checkpoints, as safetensors and as PyTorch .bin files; peak host bytes while loading <= own shards + largest tensor. A tied
 model (tiny-qwen2: its checkpoint holds no lm_head.weight) is built tied and loads."""
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from tests.distributed.common import build_model, policy_for
 from tests.distributed.harness import grid, run_distributed
 from transformers import AutoModelForCausalLM
@@ -17,13 +20,35 @@ from shardtune.memory import CpuMemoryTracker
 from shardtune.model.loading import build_empty, load_into_shards
 
 
-def _load(root: str, sharded_files: bool, name: str = "tiny-llama") -> None:
+def _as_bin(src: Path, dst: Path) -> None:
+    """The safetensors checkpoint `src` re-saved as transformers' PyTorch format: pytorch_model.bin, or
+    pytorch_model-0000i-of-0000n.bin shards with pytorch_model.bin.index.json; config.json beside them."""
+    files = sorted(src.glob("*.safetensors"))
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    names = ["pytorch_model.bin"] if len(files) == 1 else \
+        [f"pytorch_model-{i + 1:05d}-of-{len(files):05d}.bin" for i in range(len(files))]
+    weight_map = {}
+    for f, name in zip(files, names, strict=True):
+        tensors = load_file(f)
+        torch.save(tensors, dst / name)
+        weight_map.update(dict.fromkeys(tensors, name))
+    if len(files) > 1:
+        (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _load(root: str, sharded_files: bool, name: str = "tiny-llama", fmt: str = "safetensors") -> None:
     path = Path(root) / name / ("multi" if sharded_files else "single")
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not path.exists():
         build_model(name, seed=3).save_pretrained(path, max_shard_size="300KB" if sharded_files else "1GB")
+        _as_bin(path, path.with_name(path.name + "-bin"))
     dist.barrier()
     assert (path / "model.safetensors.index.json").exists() == sharded_files
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    if fmt == "bin":  # the same weights, read from the .bin copy
+        path = path.with_name(path.name + "-bin")
+        assert not any(path.glob("*.safetensors"))
+        assert (len(list(path.glob("*.bin"))) > 1) == sharded_files == (path / "pytorch_model.bin.index.json").exists()
     largest = max(p.nbytes for p in ref.parameters())
 
     model = build_empty(lambda: AutoModelForCausalLM.from_config(ref.config, attn_implementation="eager"))
@@ -39,7 +64,10 @@ def _load(root: str, sharded_files: bool, name: str = "tiny-llama") -> None:
     peak = tracker.peak_bytes() - base
     tracker.stop()
     shard_bytes = sum(f.shard.nbytes for f in flats)
-    assert peak <= shard_bytes + largest, (peak, shard_bytes, largest)
+    # A .bin file is mapped (torch.load(mmap=True)): its tensors are storages the tracker counts, though their
+    # pages are the file's page cache, read only where a rank's rows are. Bounded by the files' size, not copies.
+    mapped = sum(f.stat().st_size for f in path.glob("*.bin"))
+    assert peak <= shard_bytes + largest + mapped, (peak, shard_bytes, largest, mapped)
 
     full = dict(sharded.full_state_dict())  # rank 0 only
     if dist.get_rank() == 0:
@@ -56,7 +84,8 @@ def _load(root: str, sharded_files: bool, name: str = "tiny-llama") -> None:
 
 def test_sharded_loading_2_ranks() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(_load, 2, grid(root=[tmp], sharded_files=[False, True], name=["tiny-llama", "tiny-qwen2"]))
+        run_distributed(_load, 2, grid(root=[tmp], sharded_files=[False, True], name=["tiny-llama", "tiny-qwen2"])
+                        + grid(root=[tmp], sharded_files=[False, True], fmt=["bin"]))
 
 
 def test_sharded_loading_4_ranks() -> None:

@@ -20,7 +20,7 @@ from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.errors import UserError
 from shardtune.hub import CONFIG, TOKENIZER, is_hub_id, model_dir
 from shardtune.model.attention import attn_implementation
-from shardtune.model.loading import build_empty
+from shardtune.model.loading import build_empty, no_weights, weight_files
 from shardtune.model.seeded_init import init_full
 from shardtune.templates import resolve_chat_template
 
@@ -50,8 +50,8 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     hf_config = load_config(cfg)
     dtype = DTYPES[cfg.dtype]
     # a hub id's weights are fetched by the trainer (hub.fetch_for_ranks), not by plan or validate
-    if cfg.init == "pretrained" and not is_hub_id(cfg.path) and not any(Path(cfg.path).glob("*.safetensors")):
-        raise UserError(f"model.path: no *.safetensors in '{cfg.path}': point it at an HF checkpoint folder")
+    if cfg.init == "pretrained" and not is_hub_id(cfg.path) and not weight_files(Path(cfg.path)):
+        raise UserError(no_weights(cfg.path))
     model = build_empty(lambda: from_config(cfg, hf_config, dtype=dtype,
                                             attn=attn_implementation(cfg.attn_implementation)))
     if cfg.init == "pretrained" or sharded_init:

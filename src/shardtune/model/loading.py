@@ -4,8 +4,8 @@
    (accelerate's `init_empty_weights(include_buffers=False)`), so non-persistent buffers such as rotary `inv_freq`
    are computed by the model's own constructor, as `from_pretrained` would.
 2. The engine shards it (flat shards allocated, zero-filled: meta parameters are skipped).
-3. `load_into_shards`: each rank opens the safetensors files (mmap, `safe_open`) and reads only the pieces of each
-   parameter its shard holds. A piece is a flat range of a parameter; it is read as the few whole rows that cover it
+3. `load_into_shards`: each rank opens the safetensors files (mmap, `safe_open`; or `.bin` files, mapped by
+   model/bin_weights.py) and reads only the pieces of each parameter its shard holds. A piece is a flat range of a parameter; it is read as the few whole rows that cover it
    (`get_slice`), so a rank holds at most its shards + one tensor's rows at any time.
 Persistent buffers found in the checkpoint are loaded whole (they are small and not sharded).
 """
@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shardtune.errors import UserError
+from shardtune.model import bin_weights
 from shardtune.model.fingerprint import Hasher, check_same_on_all_ranks
 
 INDEX = "model.safetensors.index.json"
@@ -45,18 +46,34 @@ def checkpoint_key(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The folder's weight files: its *.safetensors, else its PyTorch .bin files (model/bin_weights.py)."""
+    return sorted(path.glob("*.safetensors")) or bin_weights.bin_files(path)
+
+
+def no_weights(path: Path | str) -> str:
+    return (f"model.path: no *.safetensors (or pytorch_model*.bin) in '{path}': point it at the folder of an HF "
+            "checkpoint (config.json beside its weights)")
+
+
 def weight_map(path: Path) -> dict[str, Path]:
-    """Checkpoint key -> the safetensors file holding it (index file, or every *.safetensors in the folder)."""
-    if (path / INDEX).is_file():
-        return {k: path / f for k, f in json.loads((path / INDEX).read_text())["weight_map"].items()}
-    files = sorted(path.glob("*.safetensors"))
+    """Checkpoint key -> the file holding it (an index file, or every weight file in the folder)."""
+    for index in (INDEX, bin_weights.INDEX):
+        if (path / index).is_file():
+            return {k: path / f for k, f in json.loads((path / index).read_text())["weight_map"].items()}
+    files = weight_files(path)
     if not files:
-        raise UserError(f"model.path: no *.safetensors in '{path}': point it at an HF checkpoint folder")
+        raise UserError(no_weights(path))
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
+        with _open(f) as h:
             out.update({k: f for k in h.keys()})  # noqa: SIM118 (safe_open handles are not dicts)
     return out
+
+
+def _open(f: Path) -> Any:
+    """A file's handle (a context manager): safetensors' own, or the same calls over a mapped .bin."""
+    return bin_weights.BinFile(f) if f.suffix == ".bin" else safe_open(str(f), framework="pt", device="cpu")
 
 
 def read_flat_range(handle: Any, key: str, start: int, length: int) -> torch.Tensor:
@@ -71,7 +88,7 @@ def read_flat_range(handle: Any, key: str, start: int, length: int) -> torch.Ten
 
 
 class CheckpointFiles:
-    """Open safetensors files (mmap) by key, each once; a context manager closes them."""
+    """Open weight files (mmap) by key, each once; a context manager closes them."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -90,7 +107,7 @@ class CheckpointFiles:
             raise UserError(f"model.path: '{self.path}' lacks weight {key}: is it a checkpoint of this architecture?")
         f = self.files[key]
         if f not in self._handles:
-            self._handles[f] = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            self._handles[f] = self._stack.enter_context(_open(f))
         return self._handles[f]
 
     def load_buffers(self, module: nn.Module) -> None:
