@@ -1,7 +1,10 @@
 """Data: prompt masking, chat masking, packing without cross-document attention, world-size-free batches."""
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 
 import numpy as np
 import pytest
@@ -100,13 +103,22 @@ def test_epoch_covers_every_row_once():
     assert num_targets(rows.labels[idx]) == num_targets(rows.labels)
 
 
-@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "txt", "saved", "saved_splits"])
+_CODECS = {"gz": gzip.open, "bz2": bz2.open, "xz": lzma.open}
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "txt", "saved", "saved_splits", "jsonl.gz", "csv.bz2", "txt.xz"])
 def test_loads_files_and_saved_datasets(tmp_path, suffix):
     import datasets
 
     texts = [f"hello world {i}" for i in range(20)]
     path = tmp_path / f"d.{suffix}"
-    if suffix == "jsonl":
+    if suffix.rsplit(".", 1)[-1] in _CODECS:  # compressed text formats: read through their codec
+        fmt, codec = suffix.rsplit(".", 1)
+        body = {"jsonl": "".join(json.dumps({"text": t}) + "\n" for t in texts),
+                "csv": "text\n" + "\n".join(texts) + "\n", "txt": "\n".join(texts) + "\n"}[fmt]
+        with _CODECS[codec](path, "wt") as f:
+            f.write(body)
+    elif suffix == "jsonl":
         path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     elif suffix == "txt":
         path.write_text("\n".join(texts) + "\n")
@@ -121,6 +133,26 @@ def test_loads_files_and_saved_datasets(tmp_path, suffix):
     assert len(data.eval_raw) == 2
     decoded = {TOK.decode([t for t in row.tolist() if t > 3]) for row in data.train.take(range(len(data.train)))[0]}
     assert decoded <= set(texts) and len(decoded) >= 10
+
+
+@pytest.mark.parametrize("name,says", [
+    ("cut.jsonl.gz", "cannot be decompressed"), ("blank.jsonl.gz", "is empty"), ("rows.parquet.gz", "unknown suffix"),
+    ("bad.jsonl.gz", "line 2, column"),
+])
+def test_a_bad_compressed_file_is_one_line(tmp_path, name, says):
+    from shardtune.data.check import check_data_head
+    from shardtune.errors import UserError
+
+    path = tmp_path / name
+    good = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(200))
+    body = {"cut": gzip.compress(good.encode())[:60], "blank": gzip.compress(b"\n \n"), "rows": b"x",
+            "bad": gzip.compress(b'{"text": "a"}\n{"text" "b"}\n')}[name.split(".")[0]]
+    path.write_bytes(body)
+    cfg = DataConfig(path=str(path), format="text", seq_len=32)
+    for check in (lambda: check_data_head(cfg), lambda: build_data(cfg, TOK, seed=0)):  # validate's, and the load's
+        with pytest.raises(UserError, match=says) as e:
+            check()
+        assert name in str(e.value) and "\n" not in str(e.value)
 
 
 def test_missing_column_is_a_user_error(tmp_path):

@@ -25,6 +25,7 @@ from shardtune.data.sample import (
     SUFFIX_TO_BUILDER,
     check_not_empty,
     check_utf8,
+    data_suffix,
     data_files,
     find_bad_json_line,
     is_saved_dataset,
@@ -130,7 +131,7 @@ def load_raw(cfg: DataConfig, seed: int, *, scratch: Path | None = None) -> Any:
             for f in files:
                 check_not_empty(f)
                 check_utf8(f)
-            builder = SUFFIX_TO_BUILDER[files[0].suffix]
+            builder = SUFFIX_TO_BUILDER[data_suffix(files[0])]
             # A UTF-8 BOM is skipped by the json and csv readers; the text reader would keep it in the first row.
             bom = {"encoding": "utf-8-sig"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
@@ -138,8 +139,8 @@ def load_raw(cfg: DataConfig, seed: int, *, scratch: Path | None = None) -> Any:
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for unreadable files: find the line when we can
-        for f in files if files and SUFFIX_TO_BUILDER[files[0].suffix] == "json" else []:
-            bad = find_bad_json_line(f) if f.suffix == ".jsonl" else None
+        for f in files if files and SUFFIX_TO_BUILDER[data_suffix(files[0])] == "json" else []:
+            bad = find_bad_json_line(f) if data_suffix(f) == ".jsonl" else None
             if bad is not None:
                 raise bad from None
         detail = (str(e).strip().splitlines() or ["no details"])[0][:120]

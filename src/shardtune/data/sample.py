@@ -3,16 +3,23 @@
 `read_sample` reads at most SAMPLE_BYTES of a file (a few rows of a 1 GB jsonl cost the same as of a small one)
 and returns its first rows with their line (text formats) or row (parquet) numbers. Problems are UserErrors
 naming the file and the line, e.g. a truncated JSON line, an empty file, a row that is not an object.
+
+The text formats may be compressed (`rows.jsonl.gz`, `.bz2`, `.xz`): large datasets are often shipped so, and
+`datasets` reads them as they are. Here they are read through their codec; the suffix before the codec's names the
+format (`data_suffix`).
 """
 from __future__ import annotations
 
+import bz2
 import codecs
 import csv
+import gzip
 import io
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shardtune.errors import UserError
 
@@ -21,6 +28,32 @@ SAMPLE_ROWS = 64
 SAMPLE_BYTES = 4 << 20
 BOM = b"\xef\xbb\xbf"
 TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".csv")
+COMPRESSION = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # what `datasets` decompresses itself
+_TESTER = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz"}
+KNOWN = ".jsonl, .json, .parquet, .txt or .csv (the text ones may end in .gz, .bz2 or .xz)"
+
+
+def data_suffix(path: Path) -> str:
+    """The suffix that names the format: '.jsonl' for rows.jsonl and rows.jsonl.gz; '' for an unknown one (a
+    compressed parquet too: parquet compresses inside the file)."""
+    if path.suffix in COMPRESSION:
+        inner = Path(path.stem).suffix
+        return inner if inner in TEXT_SUFFIXES else ""
+    return path.suffix if path.suffix in SUFFIX_TO_BUILDER else ""
+
+
+def open_data(file: Path) -> BinaryIO:
+    """The file's bytes, decompressed when its suffix names a codec."""
+    return COMPRESSION[file.suffix](file, "rb") if file.suffix in COMPRESSION else open(file, "rb")  # noqa: SIM115
+
+
+def read_head(f: BinaryIO, file: Path, n: int) -> bytes:
+    """Up to n bytes from an `open_data` stream; a broken compressed file is one line."""
+    try:
+        return f.read(n)
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        raise UserError(f"data.path: '{file}' cannot be decompressed ({str(e)[:120] or type(e).__name__}): "
+                        f"check the file (`{_TESTER[file.suffix]} -t` tests it)") from None
 
 
 @dataclass
@@ -34,16 +67,16 @@ class Sample:
 def data_files(path: Path) -> list[Path]:
     """The files `data.path` names: itself, or a folder's data files (recursively, sorted)."""
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIX_TO_BUILDER and p.is_file())
+        files = sorted(p for p in path.rglob("*") if data_suffix(p) and p.is_file())
         if not files:
-            raise UserError(f"data.path: no .jsonl/.json/.parquet/.txt/.csv files in '{path}'")
-        if len({SUFFIX_TO_BUILDER[f.suffix] for f in files}) > 1:  # one folder is read by one reader
-            kinds = ", ".join(sorted({f.suffix for f in files}))
+            raise UserError(f"data.path: no data files in '{path}': give files ending in {KNOWN}")
+        if len({SUFFIX_TO_BUILDER[data_suffix(f)] for f in files}) > 1:  # one folder is read by one reader
+            kinds = ", ".join(sorted({data_suffix(f) for f in files}))
             raise UserError(f"data.path: '{path}' mixes file types ({kinds}): keep one type per folder, or list the "
                             "files in data.path as a mix (a list of {path, format, weight})")
         return files
-    if path.suffix not in SUFFIX_TO_BUILDER:
-        raise UserError(f"data.path: '{path.name}' has an unknown suffix: use .jsonl, .json, .parquet, .txt or .csv")
+    if not data_suffix(path):
+        raise UserError(f"data.path: '{path.name}' has an unknown suffix: use {KNOWN}")
     return [path]
 
 
@@ -55,21 +88,27 @@ def is_saved_dataset(path: Path) -> bool:
 def check_not_empty(file: Path) -> None:
     """An empty (or whitespace-only) file: one clear line instead of datasets' StopIteration."""
     size = file.stat().st_size
-    if size == 0 or (size <= SAMPLE_BYTES and file.suffix != ".parquet" and not file.read_bytes().strip()):
+    empty = size == 0
+    if not empty and data_suffix(file) != ".parquet" and (size <= SAMPLE_BYTES or file.suffix in COMPRESSION):
+        with open_data(file) as f:
+            head = read_head(f, file, SAMPLE_BYTES + 1)
+        empty = len(head) <= SAMPLE_BYTES and not head.strip()
+    if empty:
         raise UserError(f"data.path: '{file}' is empty: give a file with at least one row")
 
 
 def read_sample(file: Path, limit: int = SAMPLE_ROWS) -> Sample:
     check_not_empty(file)
-    if file.suffix == ".parquet":
+    kind = data_suffix(file)
+    if kind == ".parquet":
         return _parquet(file, limit)
-    with open(file, "rb") as f:
-        head = f.read(SAMPLE_BYTES)
+    with open_data(file) as f:
+        head = read_head(f, file, SAMPLE_BYTES)
         # jsonl: a first line longer than the sample is one row, read whole. (A .json array written on one line is
         # parsed object by object from the sample instead: it may be the whole file.)
-        while file.suffix == ".jsonl" and b"\n" not in head and (more := f.read(SAMPLE_BYTES)):
+        while kind == ".jsonl" and b"\n" not in head and (more := read_head(f, file, SAMPLE_BYTES)):
             head += more
-        at_end = not f.read(1)
+        at_end = not read_head(f, file, 1)
     skipped = len(BOM) if head.startswith(BOM) else 0  # what Notepad and Excel put first: every reader skips it
     head = head[skipped:]
     try:
@@ -80,9 +119,9 @@ def read_sample(file: Path, limit: int = SAMPLE_ROWS) -> Sample:
         text = head[: e.start].decode("utf-8")
     if not at_end:  # the sample ends inside a line: drop that partial line
         text = text[: text.rfind("\n") + 1] if "\n" in text else text
-    if file.suffix in (".jsonl", ".json"):
+    if kind in (".jsonl", ".json"):
         return _json(file, text, limit, complete=at_end)
-    if file.suffix == ".csv":
+    if kind == ".csv":
         reader = csv.DictReader(io.StringIO(text))
         rows = [(i + 2, dict(r)) for i, r in zip(range(limit), reader)]  # line 1 is the header
         return Sample(file, list(reader.fieldnames or []), rows, "line")
@@ -102,12 +141,12 @@ def check_utf8(file: Path, chunk_bytes: int = 16 << 20) -> None:
     """The whole of a text data file decodes as UTF-8 (a leading BOM allowed). One pass at the speed of the disk
     (the decode is C): paid once per `prepare`, before datasets' reader, which would otherwise fail deep inside
     tokenization with a traceback or read a UTF-16 file as one invalid JSON line."""
-    if file.suffix not in TEXT_SUFFIXES:
+    if data_suffix(file) not in TEXT_SUFFIXES:
         return
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = lines = 0
-    with open(file, "rb") as f:
-        while chunk := f.read(chunk_bytes):
+    with open_data(file) as f:
+        while chunk := read_head(f, file, chunk_bytes):
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:  # e.object: the bytes held from the last chunk (part of a character) + chunk
@@ -194,7 +233,7 @@ def _columns(rows: Any) -> list[str]:
 
 def find_bad_json_line(file: Path) -> UserError | None:
     """The first line of a jsonl file that does not parse (a full scan: only after a load has failed)."""
-    with open(file, encoding="utf-8-sig", errors="replace") as f:
+    with io.TextIOWrapper(open_data(file), encoding="utf-8-sig", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
