@@ -1,11 +1,12 @@
-"""Hugging Face Hub ids as `model.path` (OWNER/NAME[@REVISION]), and `export --push-to-hub`.
+"""Hugging Face Hub ids as `model.path` and `data.path` (OWNER/NAME[@REVISION]), and `export --push-to-hub`.
 
 A local folder always wins: an id is only looked up when no such path exists. Files land in the standard Hugging
 Face cache (HF_HOME / HF_HUB_CACHE), so transformers, TRL and shardtune share one copy; HF_TOKEN, HF_ENDPOINT and
 HF_HUB_OFFLINE act as in transformers (huggingface_hub reads them). Only what each command needs is fetched:
 `plan` the config.json, `validate` the config and tokenizer files (it tokenizes data rows), `train` the safetensors
 too (never .bin, .pt or other framework weights). A revision already complete in the cache is used without asking
-the Hub again: pin @REVISION (a commit) to take a newer one.
+the Hub again: pin @REVISION (a commit) to take a newer one. A dataset id fetches the repo's data files
+(data/hub_data.py turns the recipe's split into a saved dataset).
 
 In a job, global rank 0 downloads while every other rank waits (one download, not one per rank; the cache is
 expected on a filesystem the nodes share, like train.output_dir); a rank that cannot see the files afterwards
@@ -27,6 +28,8 @@ TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "voca
              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 WEIGHTS = ("*.safetensors", "model.safetensors.index.json", "generation_config.json")
 EVERYTHING = CONFIG + TOKENIZER + WEIGHTS
+# A dataset repo's data files (what datasets' folder reader takes, compressed text too) and its card (split configs).
+DATA = ("*.jsonl", "*.json", "*.parquet", "*.csv", "*.txt", "*.gz", "*.bz2", "*.xz", "*.arrow", "README.md")
 # OWNER/NAME, optionally @REVISION (a branch, tag or commit): the Hub's own character set for both parts.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 DOWNLOAD_WAIT = timedelta(hours=2)  # the other ranks' wait: a 140 GB model at 20 MB/s is ~2 h
@@ -60,12 +63,22 @@ def model_dir(value: str | Path, patterns: Sequence[str] = CONFIG, *, key: str =
     return _download(repo, revision, patterns, key=key)
 
 
-def _cached(repo: str, revision: str | None, patterns: Sequence[str]) -> Path | None:
+def dataset_dir(value: str) -> Path:
+    """A dataset id -> its snapshot folder in the HF cache, holding the repo's data files (fetched once)."""
+    repo, revision = split_id(value)
+    cached = _cached(repo, revision, DATA, repo_type="dataset")
+    if cached is not None:
+        return cached
+    return _download(repo, revision, DATA, key="data.path", repo_type="dataset")
+
+
+def _cached(repo: str, revision: str | None, patterns: Sequence[str], repo_type: str = "model") -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
     try:
-        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=list(patterns), local_files_only=True))
+        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=list(patterns), local_files_only=True,
+                                        repo_type=repo_type))
     except (LocalEntryNotFoundError, IncompleteSnapshotError):
         return None
     # A cache filled by another tool may lack the tree listing that lets huggingface_hub tell a partial snapshot:
@@ -77,7 +90,8 @@ def _cached(repo: str, revision: str | None, patterns: Sequence[str]) -> Path | 
     return folder
 
 
-def _download(repo: str, revision: str | None, patterns: Sequence[str], *, key: str) -> Path:
+def _download(repo: str, revision: str | None, patterns: Sequence[str], *, key: str,
+              repo_type: str = "model") -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -89,15 +103,15 @@ def _download(repo: str, revision: str | None, patterns: Sequence[str], *, key: 
 
     name = repo + (f"@{revision}" if revision else "")
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(patterns)))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(patterns), repo_type=repo_type))
     except GatedRepoError:
         raise UserError(f"{key}: '{name}' is gated: accept its terms on the Hub, then set HF_TOKEN (or run "
                         "`hf auth login`)") from None
     except RevisionNotFoundError:
         raise UserError(f"{key}: '{name}': no such revision on the Hub: fix the part after @") from None
     except RepositoryNotFoundError:
-        raise UserError(f"{key}: '{name}' is neither a local folder nor a model on the Hub (or it is private: set "
-                        "HF_TOKEN): fix the path or the repo id") from None
+        raise UserError(f"{key}: '{name}' is neither a local path nor a {repo_type} on the Hub (or it is private: "
+                        "set HF_TOKEN): fix the path or the repo id") from None
     except LocalEntryNotFoundError:
         if constants.HF_HUB_OFFLINE:
             raise UserError(f"{key}: '{name}' is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "

@@ -1,7 +1,7 @@
 """A small Hugging Face Hub on 127.0.0.1 for the hub tests: the endpoints huggingface_hub 2.4 calls to download a
-snapshot (repo info, tree listing, resolve) and to upload a folder without LFS (create repo, preupload, commit).
+snapshot of a model or a dataset (repo info, tree listing, resolve) and to upload a folder without LFS (create repo, preupload, commit).
 
-Repos are folders of files held in memory; each revision is one commit (a sha1 of the files). Every request is
+Repos are folders of files held in memory (a dataset's under the key "datasets/OWNER/NAME"); each revision is one commit (a sha1 of the files). Every request is
 logged (method, path, Authorization header) so a test can count downloads and check the token. Use it as a context
 manager: the server thread stops when the block ends.
 """
@@ -78,8 +78,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             path = unquote(urlparse(self.path).path)
             hub.log.append((self.command, path, self.headers.get("Authorization")))
             parts = path.strip("/").split("/")
-            if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] in ("revision", "tree"):
-                repo = "/".join(parts[2:4])
+            if parts[:2] in (["api", "models"], ["api", "datasets"]) and len(parts) >= 6 and \
+                    parts[4] in ("revision", "tree"):
+                repo = "/".join(parts[2:4]) if parts[1] == "models" else "/".join(parts[1:4])
                 if repo not in hub.repos:
                     return self._missing()
                 files = hub.repos[repo]
@@ -88,6 +89,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                                        "siblings": [{"rfilename": n} for n in files]})
                 return self._json([{"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
                                    for n, d in files.items()])
+            if parts[0] == "datasets" and len(parts) >= 6 and parts[3] == "resolve":
+                parts = ["/".join(parts[:2]), *parts[2:]]  # "datasets/OWNER" as the owner: the same layout below
             if len(parts) >= 5 and parts[2] == "resolve":
                 repo, name = "/".join(parts[:2]), "/".join(parts[4:])
                 if repo not in hub.repos:

@@ -1,7 +1,9 @@
-"""`model.path=OWNER/NAME` and `export --push-to-hub` against a fake Hub on 127.0.0.1 (fake_hub.py; no network):
+"""`model.path=OWNER/NAME`, `data.path=OWNER/NAME` and `export --push-to-hub` against a fake Hub on 127.0.0.1 (fake_hub.py; no network):
 plan fetches the config.json only, validate the tokenizer too (it tokenizes data rows), train downloads the safetensors once for its two ranks with
 HF_TOKEN sent, export pushes exactly the exported files; then, with the server gone, HF_HUB_OFFLINE=1 runs
-validate and plan from the filled cache, and an id that is not cached is one line, exit 2."""
+validate and plan from the filled cache, and an id that is not cached is one line, exit 2. The dataset repo has a
+train and a test split (datasets' file-name rules): validate fetches its files once, train reads the train split
+only, a split it lacks is one line naming the ones it has."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,9 @@ import os
 import subprocess
 from pathlib import Path
 
+import datasets
+
+from shardtune import synthetic
 from tests.integration.fake_hub import FakeHub
 from tests.integration.runs import FAST, SHARDTUNE, losses
 from tests.integration.test_model_folder import write_checkpoint
@@ -31,9 +36,16 @@ def test_hub_id_downloads_once_trains_pushes_and_works_offline(tmp_path):
     write_checkpoint(model)
     hf_home = tmp_path / "hf"
     run = tmp_path / "run"
-    pretrained = ["model.path=acme/tiny-llama", "model.init=pretrained"]
+    pretrained = ["model.path=acme/tiny-llama", "model.init=pretrained", "data.path=acme/reverse",
+                  "data.format=instruction"]
+    data = tmp_path / "dataset" / "data"
+    data.mkdir(parents=True)
+    datasets.Dataset.from_list(synthetic.generate("reverse", 300, 0)).to_parquet(data / "train-00000-of-00001.parquet")
+    datasets.Dataset.from_list([{"prompt": "held out=", "response": "x"}] * 7).to_parquet(
+        data / "test-00000-of-00001.parquet")
     with FakeHub() as hub:
         hub.add_folder("acme/tiny-llama", model)
+        hub.add_folder("datasets/acme/reverse", data.parent)
         env = {"HF_HOME": str(hf_home), "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKEN,
                "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "0"}
         proc = shardtune("plan", "tiny-cpu", *pretrained, cwd=tmp_path, env=env)
@@ -43,11 +55,18 @@ def test_hub_id_downloads_once_trains_pushes_and_works_offline(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         cached = snapshot_files(hf_home, "acme/tiny-llama")
         assert "config.json" in cached and "tokenizer.json" in cached and "model.safetensors" not in cached
+        saved = hf_home / "datasets" / "shardtune" / "acme--reverse" / hub.commit("datasets/acme/reverse") / "train"
+        assert len(datasets.load_from_disk(saved)) == 300  # the train split, not the test rows
+        proc = shardtune("validate", "tiny-cpu", *pretrained, "data.split=validation", cwd=tmp_path, env=env)
+        errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("note: ")]  # notes: the folder's config
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+        assert "data.split" in proc.stderr and "train, test" in proc.stderr, proc.stderr
 
         proc = shardtune("train", "tiny-cpu", *pretrained, f"train.output_dir={run}", *FAST, "train.max_steps=2",
                          "train.save_every=2", cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert hub.gets("/model.safetensors") == 1  # rank 0 downloaded, rank 1 waited and read the cache
+        assert hub.gets("/train-00000-of-00001.parquet") == 1  # validate fetched it; train read the cache
         assert len(losses(run)) == 2
         assert {auth for _, path, auth in hub.log if "acme/" in path} == {f"Bearer {TOKEN}"}
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]

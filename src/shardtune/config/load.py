@@ -111,7 +111,7 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
         p = Path(str(value)).expanduser()
         candidates = [p] if p.is_absolute() else [Path.cwd() / p, recipe_dir / p, DATA_DIR / p]
         found = next((c for c in candidates if c.exists()), None)
-        if found is None and key == "model.path" and is_hub_id(value):
+        if found is None and (key == "model.path" or key.startswith("data.path")) and is_hub_id(value):
             continue  # a Hugging Face repo id (hub.py): fetched into the HF cache where it is needed
         if found is None:
             raise UserError(f"{key}: file or folder '{value}' does not exist: fix the path (relative paths are "

@@ -174,6 +174,8 @@ class DataConfig:
     # A jsonl/json/parquet/txt/csv file or folder, a saved datasets dir, or builtin:NAME; or a list of datasets
     # [{path, weight, format, <field keys>...}] mixed by weight (unset keys of an entry come from data.*).
     path: Any = None
+    # A Hub dataset id (OWNER/NAME[@REV]) or a saved DatasetDict: the split to train on
+    split: str = "train"
     # text | instruction (prompt/response pairs, prompt masked) | chat (messages) | preference (rows
     # {prompt, chosen, rejected}, for train.objective=dpo)
     format: str = "text"

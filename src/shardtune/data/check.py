@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # only annotations: the launcher's data pre-flight reads file
 from shardtune.config.schema import DataConfig
 from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import FORMATS, IGNORE, encode_batch
+from shardtune.data.hub_data import pick_split
 from shardtune.data.messages import to_messages
 from shardtune.data.sample import Sample, data_files, is_saved_dataset, read_sample
 from shardtune.data.sources import is_mix, sources
@@ -75,7 +76,7 @@ def _samples(cfg: DataConfig) -> list[Sample]:
 
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+            ds = pick_split(ds, cfg.split, f"the saved dataset '{path}'")
         if len(ds) == 0:
             raise UserError(f"data.path: '{path}' holds no rows: point it at a non-empty dataset")
         head = ds.select(range(min(len(ds), TOKENIZE_ROWS))).to_list()

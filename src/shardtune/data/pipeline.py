@@ -19,14 +19,15 @@ from shardtune.config.schema import DataConfig
 from shardtune.data import cache
 from shardtune.data.batches import RowSource
 from shardtune.data.build import build_entry, interrupt_between_pieces, warn_truncated
+from shardtune.data.hub_data import pick_split
 from shardtune.data.mix import ConcatRows, MixedRows
 from shardtune.data.rows import PackedRows, open_documents
 from shardtune.data.sample import (
     SUFFIX_TO_BUILDER,
     check_not_empty,
     check_utf8,
-    data_suffix,
     data_files,
+    data_suffix,
     find_bad_json_line,
     is_saved_dataset,
 )
@@ -125,7 +126,7 @@ def load_raw(cfg: DataConfig, seed: int, *, scratch: Path | None = None) -> Any:
         if is_saved_dataset(path):
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
-                ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+                ds = pick_split(ds, cfg.split, f"the saved dataset '{path}'")
         else:
             files = data_files(path)
             for f in files:

@@ -15,19 +15,29 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from shardtune.config.data_keys import ENTRY_KEYS
+from shardtune.hub import is_hub_id
 
 if TYPE_CHECKING:
     from shardtune.config.schema import DataConfig
 
 def sources(cfg: DataConfig) -> list[tuple[DataConfig, float]]:
-    """(one dataset's DataConfig with a string path, its weight) for each dataset of `data.path`."""
+    """(one dataset's DataConfig with a string path, its weight) for each dataset of `data.path`. A Hub dataset id
+    reads as the saved folder of its split (data/hub_data.py: fetched and saved on first use)."""
     if not isinstance(cfg.path, (list, tuple)):
-        return [(cfg, 1.0)]
+        return [(_local(cfg), 1.0)]
     out = []
     for entry in cfg.path:
         fields: dict[str, Any] = {k: v for k, v in entry.items() if k in ENTRY_KEYS}
-        out.append((replace(cfg, path=str(entry["path"]), **fields), float(entry.get("weight", 1))))
+        out.append((_local(replace(cfg, path=str(entry["path"]), **fields)), float(entry.get("weight", 1))))
     return out
+
+
+def _local(cfg: DataConfig) -> DataConfig:
+    if not isinstance(cfg.path, str) or not is_hub_id(cfg.path):
+        return cfg
+    from shardtune.data.hub_data import saved_split
+
+    return replace(cfg, path=str(saved_split(cfg.path, cfg.split)))
 
 
 def is_mix(cfg: DataConfig) -> bool:
