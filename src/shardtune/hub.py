@@ -4,7 +4,8 @@ A local folder always wins: an id is only looked up when no such path exists. Fi
 Face cache (HF_HOME / HF_HUB_CACHE), so transformers, TRL and shardtune share one copy; HF_TOKEN, HF_ENDPOINT and
 HF_HUB_OFFLINE act as in transformers (huggingface_hub reads them). Only what each command needs is fetched:
 `plan` the config.json, `validate` the config and tokenizer files (it tokenizes data rows), `train` the safetensors
-too (never .bin, .pt or other framework weights). A revision already complete in the cache is used without asking
+too; a repo without safetensors (an older one) gets its PyTorch `pytorch_model*.bin` files instead
+(model/bin_weights.py reads them), never both. A revision already complete in the cache is used without asking
 the Hub again: pin @REVISION (a commit) to take a newer one. A dataset id fetches the repo's data files
 (data/hub_data.py turns the recipe's split into a saved dataset).
 
@@ -27,6 +28,7 @@ CONFIG = ("config.json",)
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 WEIGHTS = ("*.safetensors", "model.safetensors.index.json", "generation_config.json")
+BIN_WEIGHTS = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # fetched only when a repo has no safetensors
 EVERYTHING = CONFIG + TOKENIZER + WEIGHTS
 # A dataset repo's data files (what datasets' folder reader takes, compressed text too) and its card (split configs).
 DATA = ("*.jsonl", "*.json", "*.parquet", "*.csv", "*.txt", "*.gz", "*.bz2", "*.xz", "*.arrow", "README.md")
@@ -60,7 +62,10 @@ def model_dir(value: str | Path, patterns: Sequence[str] = CONFIG, *, key: str =
     cached = _cached(repo, revision, patterns)
     if cached is not None:
         return cached
-    return _download(repo, revision, patterns, key=key)
+    folder = _download(repo, revision, patterns, key=key)
+    if "*.safetensors" in patterns and not any(folder.glob("*.safetensors")):  # an older repo: .bin weights only
+        folder = _download(repo, revision, (*patterns, *BIN_WEIGHTS), key=key)
+    return folder
 
 
 def dataset_dir(value: str) -> Path:
@@ -85,7 +90,8 @@ def _cached(repo: str, revision: str | None, patterns: Sequence[str], repo_type:
     # the files a command cannot do without are checked here.
     if "config.json" in patterns and not (folder / "config.json").is_file():
         return None
-    if "*.safetensors" in patterns and not any(folder.glob("*.safetensors")):
+    if "*.safetensors" in patterns and not any(folder.glob("*.safetensors")) and \
+            not any(folder.glob(BIN_WEIGHTS[0])):
         return None
     return folder
 

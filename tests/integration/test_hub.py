@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import datasets
+import torch
+from safetensors.torch import load_file
 
 from shardtune import synthetic
 from tests.integration.fake_hub import FakeHub
@@ -99,3 +103,30 @@ def test_hub_id_downloads_once_trains_pushes_and_works_offline(tmp_path):
                      cwd=tmp_path, env={**offline, "HF_HUB_OFFLINE": "0"})  # the Hub is down: the export stays
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot be reached" in proc.stderr, proc.stderr
     assert (tmp_path / "again" / "model.safetensors").is_file()
+
+
+def test_a_repo_without_safetensors_gets_its_bin_weights_only_then(tmp_path):
+    """An older repo holds only pytorch_model.bin: train's fetch takes it (model/bin_weights.py reads it); a repo
+    with both formats gives the safetensors alone. A second fetch is served from the cache."""
+    folder = tmp_path / "old"
+    write_checkpoint(folder)
+    both = tmp_path / "both"
+    write_checkpoint(both)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    shutil.copy(folder / "pytorch_model.bin", both / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    fetch = ("import json, sys; from shardtune.hub import model_dir, EVERYTHING; "
+             "print(json.dumps(sorted(p.name for p in model_dir(sys.argv[1], EVERYTHING).iterdir())))")
+    with FakeHub() as hub:
+        hub.add_folder("acme/old", folder)
+        hub.add_folder("acme/both", both)
+        env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0",
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        for repo, weights in (("acme/old", "pytorch_model.bin"), ("acme/both", "model.safetensors")):
+            for _ in range(2):
+                proc = subprocess.run([sys.executable, "-c", fetch, repo], capture_output=True, text=True, env=env,
+                                      timeout=120)
+                assert proc.returncode == 0, proc.stderr[-2000:]
+                files = json.loads(proc.stdout.strip().splitlines()[-1])
+                assert weights in files and ("pytorch_model.bin" in files) == (repo == "acme/old"), files
+            assert hub.gets(f"/{weights}") == 1  # the second fetch read the cache
