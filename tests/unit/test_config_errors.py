@@ -1,8 +1,11 @@
 """Bad input never gives a traceback: each case exits 2 with one line naming the key/file and a fix."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from shardtune.bundled import CONFIGS_DIR
 from tests.unit.cli_helpers import run_cli
 
 BAD_OVERRIDES = [
@@ -124,6 +127,28 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path, cap
     assert lines[0].startswith("error: model.tokenizer: the tokenizer has 100 tokens but the model's vocab_size is 64")
     code, _, err = run_cli(["validate", "tiny-cpu", f"model.config={_config_with_vocab(tmp_path, 100)}"], capsys)
     assert code == 0, err  # every id has its row
+
+
+@pytest.mark.parametrize("part", ["config", "tokenizer"])
+def test_a_model_that_needs_its_own_code_is_one_line_without_a_prompt(tmp_path, capsys, part):
+    """A repo whose config or tokenizer names its own Python classes (auto_map): transformers asked "Do you wish to
+    run the custom code? [y/N]" on a terminal, then failed with a cut message advising another path."""
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    config = json.loads((CONFIGS_DIR / "models" / "tiny-llama.json").read_text())
+    if part == "config":
+        config.update(model_type="mylm", auto_map={"AutoConfig": "configuration_mylm.MyConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    key = "model.path"
+    if part == "tokenizer":
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"auto_map": {"AutoTokenizer": ["tokenization_mylm.MyTokenizer", None]}, "tokenizer_class": "MyTokenizer"}))
+        key = "model.tokenizer"
+    code, _, err = run_cli(["validate", "tiny-cpu", f"model.path={folder}"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {key}: '{folder}' needs its own Python "
+                                                                    "code"), err
+    assert "[y/N]" not in err
 
 
 @pytest.mark.parametrize("command,key", [("validate", "train.output_dir"), ("train", "train.output_dir"),

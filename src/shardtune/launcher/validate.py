@@ -39,7 +39,8 @@ def recipe_problems(recipe: Recipe) -> list[str]:
     try:
         check_vocab(tok, hf_config or load_config(recipe.model), recipe.model)  # read once when the build got it
     except UserError as e:
-        problems.append(str(e))
+        if str(e) not in problems:  # an unreadable config: the build above said so already
+            problems.append(str(e))
     return problems + [line for p in data_problems(recipe.data, tok) for line in p.splitlines()]
 
 

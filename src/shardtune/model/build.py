@@ -28,12 +28,24 @@ from shardtune.templates import resolve_chat_template
 def load_config(cfg: ModelConfig) -> PretrainedConfig:
     source = cfg.config or (model_dir(cfg.path) if cfg.path else None)
     assert source is not None, "schema guarantees config or path"
-    try:
-        return AutoConfig.from_pretrained(source, local_files_only=True)
+    key = "model.config" if cfg.config else "model.path"
+    try:  # never run a repo's own code (and never ask: transformers would prompt on a terminal)
+        return AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
-        key = "model.config" if cfg.config else "model.path"
+        if _custom_code(e):
+            raise UserError(custom_code_error(key, source)) from None
         raise UserError(f"{key}: cannot read an HF config from '{source}' ({str(e).splitlines()[0][:120]}): "
                         "point it at a config.json or a checkpoint folder") from None
+
+
+def _custom_code(e: Exception) -> bool:
+    return "trust_remote_code" in str(e) or "custom code" in str(e)
+
+
+def custom_code_error(key: str, source: object) -> str:
+    return (f"{key}: '{source}' needs its own Python code (an auto_map with trust_remote_code), which shardtune "
+            "does not run: use a checkpoint of an architecture transformers ships (most repos that once needed "
+            "custom code have a converted version)")
 
 
 def config_source(cfg: ModelConfig) -> str:
@@ -93,8 +105,10 @@ def _load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if source is None or source == "builtin:char":
         return build_char_tokenizer()
     try:
-        tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
+        if _custom_code(e):
+            raise UserError(custom_code_error("model.tokenizer", source)) from None
         raise UserError(f"model.tokenizer: cannot load a tokenizer from '{source}' ({str(e).splitlines()[0][:120]}): "
                         "point it at a local tokenizer folder or tokenizer.json, or use builtin:char") from None
     if tok.pad_token is None and tok.eos_token is not None:
