@@ -23,9 +23,15 @@ WRONG = [{"role": "user", "content": "sky?"}, {"role": "assistant", "content": "
     ({"chosen": TURNS, "rejected": WRONG}, "chat"),  # TRL's implicit prompt
     ({"prompt": "sky?", "chosen": "blue", "rejected": "green"}, "text"),
 ])
-def test_dpo_runs_are_asked_as_their_pairs_were_rendered(tmp_path, row, kind):
-    path = tmp_path / "pairs.jsonl"
-    path.write_text(json.dumps(row) + "\n")
+@pytest.mark.parametrize("store", ["jsonl", "saved"])  # saved: a `datasets` folder, as a Hub id's split is kept
+def test_dpo_runs_are_asked_as_their_pairs_were_rendered(tmp_path, row, kind, store):
+    path = tmp_path / f"pairs.{store}"
+    if store == "saved":
+        import datasets
+
+        datasets.Dataset.from_list([row]).save_to_disk(str(path))
+    else:
+        path.write_text(json.dumps(row) + "\n")
     assert style_of_recipe(load_recipe("tiny-dpo-cpu", [f"data.path={path}"])).kind == kind
 
 

@@ -92,6 +92,17 @@ def _samples(cfg: DataConfig) -> list[Sample]:
     return out
 
 
+def first_row(cfg: DataConfig) -> dict[str, Any] | None:
+    """The first row of the first dataset of `data.path` (a file, a folder, a saved dataset or a Hub id; None for
+    a builtin:*): what a run's saved prompt style is read from."""
+    src = sources(cfg)[0][0]
+    path = str(src.path)
+    if path.startswith("builtin:"):
+        return None
+    sample = _samples(src)[0] if is_saved_dataset(Path(path)) else read_sample(data_files(Path(path))[0], limit=1)
+    return sample.rows[0][1] if sample.rows else None
+
+
 def _sample_problems(cfg: DataConfig, sample: Sample, tok: PreTrainedTokenizerBase) -> list[str]:
     where = f"'{sample.file}'"
     problems = _head_problems(cfg, sample)

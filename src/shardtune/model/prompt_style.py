@@ -47,20 +47,15 @@ def style_of_recipe(recipe: Recipe) -> PromptStyle:
 def _conversational_pairs(recipe: Recipe) -> bool:
     """Preference rows whose prompt or responses are message lists were rendered with the chat template. Read from
     the first row of the data (still where the run read it: the run's own folder usually holds it)."""
-    from shardtune.data.sample import data_files, read_sample
+    from shardtune.data.check import first_row
     from shardtune.errors import UserError
 
-    path = recipe.data.path
-    path = path[0]["path"] if isinstance(path, (list, tuple)) and path else path
-    if not isinstance(path, str) or path.startswith("builtin:"):
-        return False
     try:
-        sample = read_sample(data_files(Path(path))[0], limit=1)
+        row = first_row(recipe.data)
     except (UserError, OSError):  # the data moved away: the run's chat template, when it has one, decides
         return False
-    if not sample.rows:
+    if row is None:
         return False
-    row = sample.rows[0][1]
     keys = [data_setting(recipe, k) for k in ("prompt_field", "chosen_field", "rejected_field")]
     return any(isinstance(row.get(k), list) for k in keys)
 
