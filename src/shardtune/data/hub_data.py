@@ -54,6 +54,10 @@ def saved_split(path: str, split: str) -> Path:
             ds = datasets.load_dataset(str(snapshot), cache_dir=str(Path(tmp) / "cache"))
         except (ValueError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            if "Config name is missing" in str(e):  # a card with several configs and no default one
+                raise UserError(f"data.path: the Hub dataset '{path}' has several configs ({first}): shardtune "
+                                "reads a dataset's default config; give data.path the folder or files of the one "
+                                "you want (`hf download --repo-type dataset`)") from None
             raise UserError(f"data.path: the Hub dataset '{path}' has no data files shardtune can read ({first}): "
                             "it needs .parquet, .jsonl, .json, .csv or .txt files in the repo") from None
         ds = pick_split(ds, split, f"the Hub dataset '{path}'")
