@@ -129,6 +129,14 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path, cap
     assert code == 0, err  # every id has its row
 
 
+@pytest.mark.parametrize("key", ["data.path", "model.path"])
+def test_a_url_is_one_line_that_says_to_download_it(capsys, key):
+    url = "https://example.com/files/data.jsonl"
+    code, _, err = run_cli(["validate", "tiny-cpu", f"{key}={url}"], capsys)
+    assert code == 2 and err.strip() == (f"error: {key}: '{url}' is a URL: shardtune reads local paths and Hugging "
+                                         "Face repo ids (OWNER/NAME); download the file and give its path"), err
+
+
 @pytest.mark.parametrize("part", ["config", "tokenizer"])
 def test_a_model_that_needs_its_own_code_is_one_line_without_a_prompt(tmp_path, capsys, part):
     """A repo whose config or tokenizer names its own Python classes (auto_map): transformers asked "Do you wish to

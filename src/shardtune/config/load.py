@@ -113,6 +113,9 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
         found = next((c for c in candidates if c.exists()), None)
         if found is None and (key == "model.path" or key.startswith("data.path")) and is_hub_id(value):
             continue  # a Hugging Face repo id (hub.py): fetched into the HF cache where it is needed
+        if found is None and "://" in str(value):
+            raise UserError(f"{key}: '{value}' is a URL: shardtune reads local paths and Hugging Face repo ids "
+                            "(OWNER/NAME); download the file and give its path")
         if found is None:
             raise UserError(f"{key}: file or folder '{value}' does not exist: fix the path (relative paths are "
                             f"tried against the cwd, the recipe's folder and shardtune's bundled {DATA_DIR})")
