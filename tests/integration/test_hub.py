@@ -59,7 +59,7 @@ def test_hub_id_downloads_once_trains_pushes_and_works_offline(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         cached = snapshot_files(hf_home, "acme/tiny-llama")
         assert "config.json" in cached and "tokenizer.json" in cached and "model.safetensors" not in cached
-        multi = tmp_path / "multi"  # a card with two configs and no default: one line, not a datasets traceback
+        multi = tmp_path / "multi"  # a card with two subsets and no default: one line, then data.subset picks one
         for name in ("a", "b"):
             (multi / name).mkdir(parents=True)
             datasets.Dataset.from_list(synthetic.generate("reverse", 8, 0)).to_parquet(multi / name / "x.parquet")
@@ -68,8 +68,14 @@ def test_hub_id_downloads_once_trains_pushes_and_works_offline(tmp_path):
         hub.add_folder("datasets/acme/multi", multi)
         proc = shardtune("validate", "tiny-cpu", *pretrained, "data.path=acme/multi", cwd=tmp_path, env=env)
         errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("note: ")]
-        assert proc.returncode == 2 and len(errors) == 1 and "several configs" in errors[0], proc.stderr
-        saved = hf_home / "datasets" / "shardtune" / "acme--reverse" / hub.commit("datasets/acme/reverse") / "train"
+        assert proc.returncode == 2 and len(errors) == 1 and "data.subset" in errors[0], proc.stderr
+        proc = shardtune("validate", "tiny-cpu", *pretrained, "data.path=acme/multi", "data.subset=b", cwd=tmp_path,
+                         env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (hf_home / "datasets" / "shardtune" / "acme--multi" / hub.commit("datasets/acme/multi") / "b" /
+                "train" / "dataset_info.json").is_file()
+        saved = (hf_home / "datasets" / "shardtune" / "acme--reverse" / hub.commit("datasets/acme/reverse") /
+                 "default" / "train")
         assert len(datasets.load_from_disk(saved)) == 300  # the train split, not the test rows
         proc = shardtune("validate", "tiny-cpu", *pretrained, "data.split=validation", cwd=tmp_path, env=env)
         errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("note: ")]  # notes: the folder's config

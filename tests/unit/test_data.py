@@ -155,6 +155,16 @@ def test_a_bad_compressed_file_is_one_line(tmp_path, name, says):
         assert name in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_subset_for_a_local_file_is_ignored_with_a_warning(tmp_path):
+    from shardtune.data.sources import sources
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "x"}\n')
+    with pytest.warns(UserWarning, match="data.subset=main is ignored"):
+        (src, _), = sources(DataConfig(path=str(path), subset="main"))
+    assert src.path == str(path)
+
+
 def test_missing_column_is_a_user_error(tmp_path):
     from shardtune.errors import UserError
 

@@ -11,7 +11,7 @@ FORMATS = ("text", "instruction", "chat", "preference")
 CHAT_STYLES = ("auto", "openai", "sharegpt")
 # Keys an entry of a data.path list may set (besides path and weight): what describes one dataset.
 ENTRY_KEYS = ("format", "text_field", "prompt_field", "input_field", "response_field", "template", "messages_field",
-              "chat_style", "train_on_inputs", "chosen_field", "rejected_field", "split")
+              "chat_style", "train_on_inputs", "chosen_field", "rejected_field", "split", "subset")
 
 
 def _fail(key: str, msg: str) -> None:

@@ -176,6 +176,8 @@ class DataConfig:
     path: Any = None
     # A Hub dataset id (OWNER/NAME[@REV]) or a saved DatasetDict: the split to train on
     split: str = "train"
+    # A Hub dataset id whose card has several subsets (configs, e.g. openai/gsm8k's main and socratic): the one to read
+    subset: str | None = None
     # text | instruction (prompt/response pairs, prompt masked) | chat (messages) | preference (rows
     # {prompt, chosen, rejected}, for train.objective=dpo)
     format: str = "text"

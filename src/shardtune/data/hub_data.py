@@ -1,8 +1,9 @@
 """`data.path=OWNER/NAME[@REVISION]`: a dataset on the Hugging Face Hub, used like a local one.
 
 The repo's data files are fetched once into the HF cache (hub.dataset_dir). `datasets` then reads the snapshot as
-a folder, by its own rules: the dataset card's `configs` (split names and their files) or the file-name
-conventions (train-*.parquet, test-*.jsonl...). The recipe's `data.split` (default train) is saved with
+a folder, by its own rules: the dataset card's `configs` (subsets, their split names and files; `data.subset`
+picks one when there is no default) or the file-name conventions (train-*.parquet, test-*.jsonl...). The recipe's
+`data.split` (default train) is saved with
 `save_to_disk`, once per snapshot commit, under HF_DATASETS_CACHE/shardtune/. From there every reader (validate's
 checks, the tokenized cache build, each rank) reads a saved dataset, as for a local one. The recipe keeps the id,
 so a rerun finds the same files.
@@ -36,8 +37,8 @@ def pick_split(ds: Any, split: str, where: str) -> Any:
                     f"data.split to one of them")
 
 
-def saved_split(path: str, split: str) -> Path:
-    """The saved-dataset folder of `split` of the Hub dataset `path` (fetched and saved on first use)."""
+def saved_split(path: str, split: str, subset: str | None = None) -> Path:
+    """The saved-dataset folder of `split` (of `subset`) of the Hub dataset `path` (fetched and saved on first use)."""
     import datasets
 
     from shardtune.hub import dataset_dir
@@ -45,19 +46,21 @@ def saved_split(path: str, split: str) -> Path:
     datasets.disable_progress_bars()  # "Generating train split" and "Saving the dataset" bars: noise in a log
     snapshot = dataset_dir(path)
     repo = path.partition("@")[0].replace("/", "--")
-    out = Path(datasets.config.HF_DATASETS_CACHE) / "shardtune" / repo / snapshot.name / split
+    out = Path(datasets.config.HF_DATASETS_CACHE) / "shardtune" / repo / snapshot.name / (subset or "default") / split
     if (out / "dataset_info.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{split}-") as tmp:
         try:
-            ds = datasets.load_dataset(str(snapshot), cache_dir=str(Path(tmp) / "cache"))
+            ds = datasets.load_dataset(str(snapshot), subset, cache_dir=str(Path(tmp) / "cache"))
         except (ValueError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            if "Config name is missing" in str(e):  # a card with several configs and no default one
-                raise UserError(f"data.path: the Hub dataset '{path}' has several configs ({first}): shardtune "
-                                "reads a dataset's default config; give data.path the folder or files of the one "
-                                "you want (`hf download --repo-type dataset`)") from None
+            if "Config name is missing" in str(e):  # a card with several subsets and no default
+                raise UserError(f"data.subset: the Hub dataset '{path}' has several subsets and no default "
+                                f"({first}): set data.subset=NAME") from None
+            if subset is not None and "not found" in str(e):
+                raise UserError(f"data.subset: '{subset}' is not a subset of the Hub dataset '{path}' ({first}): "
+                                "set data.subset to one of them") from None
             raise UserError(f"data.path: the Hub dataset '{path}' has no data files shardtune can read ({first}): "
                             "it needs .parquet, .jsonl, .json, .csv or .txt files in the repo") from None
         ds = pick_split(ds, split, f"the Hub dataset '{path}'")

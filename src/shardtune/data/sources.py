@@ -11,6 +11,7 @@ An entry may set `path` (required), `weight` (default 1) and any per-dataset key
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +35,13 @@ def sources(cfg: DataConfig) -> list[tuple[DataConfig, float]]:
 
 def _local(cfg: DataConfig) -> DataConfig:
     if not isinstance(cfg.path, str) or not is_hub_id(cfg.path):
+        if cfg.subset is not None:
+            warnings.warn(f"data.subset={cfg.subset} is ignored: it picks a subset of a Hub dataset id, and "
+                          f"data.path '{cfg.path}' is not one", stacklevel=3)
         return cfg
     from shardtune.data.hub_data import saved_split
 
-    return replace(cfg, path=str(saved_split(cfg.path, cfg.split)))
+    return replace(cfg, path=str(saved_split(cfg.path, cfg.split, cfg.subset)))
 
 
 def is_mix(cfg: DataConfig) -> bool:
