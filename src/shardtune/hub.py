@@ -91,7 +91,7 @@ def _cached(repo: str, revision: str | None, patterns: Sequence[str], repo_type:
     if "config.json" in patterns and not (folder / "config.json").is_file():
         return None
     if "*.safetensors" in patterns and not any(folder.glob("*.safetensors")) and \
-            not any(folder.glob(BIN_WEIGHTS[0])):
+            not any(folder.glob(BIN_WEIGHTS[0])):  # an older repo's .bin weights do too
         return None
     return folder
 

@@ -13,6 +13,7 @@ that gets there first writes its own copy and renames it into place; the first r
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ def pick_split(ds: Any, split: str, where: str) -> Any:
                     f"data.split to one of them")
 
 
+@functools.cache  # sources() asks on every data read of a process: look the cache up once
 def saved_split(path: str, split: str, subset: str | None = None) -> Path:
     """The saved-dataset folder of `split` (of `subset`) of the Hub dataset `path` (fetched and saved on first use)."""
     import datasets

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from shardtune.errors import UserError
+from shardtune.hub import BIN_WEIGHTS
 
-INDEX = "pytorch_model.bin.index.json"
-PATTERN = "pytorch_model*.bin"  # not training_args.bin and the like, which a trainer saves beside the weights
+PATTERN, INDEX = BIN_WEIGHTS  # pytorch_model*.bin: not training_args.bin and the like, saved beside the weights
 
 # safetensors' dtype names (what merge and the rank check read from get_dtype)
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",

@@ -33,7 +33,7 @@ def load_config(cfg: ModelConfig) -> PretrainedConfig:
         return AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         if _custom_code(e):
-            raise UserError(custom_code_error(key, source)) from None
+            raise UserError(_custom_code_error(key, source)) from None
         raise UserError(f"{key}: cannot read an HF config from '{source}' ({str(e).splitlines()[0][:120]}): "
                         "point it at a config.json or a checkpoint folder") from None
 
@@ -42,7 +42,7 @@ def _custom_code(e: Exception) -> bool:
     return "trust_remote_code" in str(e) or "custom code" in str(e)
 
 
-def custom_code_error(key: str, source: object) -> str:
+def _custom_code_error(key: str, source: object) -> str:
     return (f"{key}: '{source}' needs its own Python code (an auto_map with trust_remote_code), which shardtune "
             "does not run: use a checkpoint of an architecture transformers ships (most repos that once needed "
             "custom code have a converted version)")
@@ -108,7 +108,7 @@ def _load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         if _custom_code(e):
-            raise UserError(custom_code_error("model.tokenizer", source)) from None
+            raise UserError(_custom_code_error("model.tokenizer", source)) from None
         raise UserError(f"model.tokenizer: cannot load a tokenizer from '{source}' ({str(e).splitlines()[0][:120]}): "
                         "point it at a local tokenizer folder or tokenizer.json, or use builtin:char") from None
     if tok.pad_token is None and tok.eos_token is not None:
