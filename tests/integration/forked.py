@@ -43,6 +43,18 @@ def train(recipe: str | Path, *overrides: str, world: int = 2) -> Run:
     return Run(code=int(read("code")), launcher_err=said.getvalue(), out=read("out"), err=read("err"))
 
 
+def train_on_one_rank(recipe: str | Path, *overrides: str) -> Run:
+    """The recipe's global batch on one forked rank: micro_batch_size x nproc_per_node rows per micro-step. For the
+    tests that check what a run learns (the recipe's optimisation, step for step): two ranks would add a second
+    process's per-step overhead on a 2-core machine, and that N ranks compute what one does is the parity grids'
+    job (tests/distributed)."""
+    from shardtune.config.load import load_recipe_config, to_recipe
+
+    shipped = to_recipe(load_recipe_config(str(recipe), list(overrides)))
+    rows = shipped.train.micro_batch_size * shipped.launch.nproc_per_node * shipped.launch.nnodes
+    return train(recipe, *overrides, f"train.micro_batch_size={rows}", world=1)
+
+
 def _rank(rank: int, world: int, port: int, recipe_file: str, logs: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,7 +1,8 @@
-"""`shardtune train tiny-dpo-cpu` on 2 CPU workers: a short SFT warm-up, then DPO; held-out reward accuracy goes
+"""`shardtune train tiny-dpo-cpu`'s training: a short SFT warm-up, then DPO; held-out reward accuracy goes
 from 50 % where DPO starts (policy = reference) to >= 90 %, and the DPO metrics reach metrics.jsonl and TensorBoard.
-The run is on forked ranks (forked.py: the launcher's checks and the worker without the CLI's start-up; the CLI's
-own behaviour is tested on the SFT recipes), the export through the CLI."""
+The run is on one forked rank with the recipe's global batch (forked.py: the launcher's checks and the worker without
+the CLI's start-up; the CLI's own behaviour is tested on the SFT recipes, DPO's 2-rank parity in
+tests/distributed/test_dpo.py), the export through the CLI."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,8 @@ DPO_KEYS = {"dpo_loss", "reward_chosen", "reward_rejected", "reward_margin", "re
 
 def test_tiny_dpo_cpu_learns_preferences(tmp_path):
     run = tmp_path / "run"
-    proc = forked.train("tiny-dpo-cpu", f"train.output_dir={run}", "train.save_final=false", "train.save_every=1000")
+    proc = forked.train_on_one_rank("tiny-dpo-cpu", f"train.output_dir={run}", "train.save_final=false",
+                                    "train.save_every=1000")
     assert proc.code == 0, proc.err[-3000:]
     records = metrics(run)
     warmup = [r for r in records if r.get("phase") == "sft_warmup"]

@@ -18,11 +18,13 @@ SAMPLES = 24
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """~100 steps of the demo: enough that it reverses part of the held-out strings, not all. On forked ranks
-    (forked.py: the launcher's checks and the worker without the CLI's start-up): generate and chat are tested."""
+    """~100 steps of the demo: enough that it reverses part of the held-out strings, not all. On one forked rank
+    with the recipe's global batch (forked.py: the launcher's checks and the worker without the CLI's start-up):
+    generate and chat are tested."""
     run = tmp_path_factory.mktemp("gen") / "run"
-    result = forked.train("tiny-cpu", f"train.output_dir={run}", "train.max_steps=100", "train.eval_every=0",
-                          f"train.demo_eval_samples={SAMPLES}", "data.seq_len=64", "data.num_samples=2000")
+    result = forked.train_on_one_rank("tiny-cpu", f"train.output_dir={run}", "train.max_steps=100",
+                                      "train.eval_every=0", f"train.demo_eval_samples={SAMPLES}", "data.seq_len=64",
+                                      "data.num_samples=2000")
     assert result.code == 0, result.err[-3000:]
     return run
 

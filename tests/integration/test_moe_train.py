@@ -4,7 +4,8 @@
   PeftModel.from_pretrained, `export --merge` (from the checkpoint, and from final/) equals base + adapters to 1e-5,
   and `generate` runs on the merge.
 Both train on forked ranks (forked.py: the launcher's checks and the worker, without the CLI's start-up; the CLI's
-own behaviour is tested on the dense recipes); export and generate run through the CLI."""
+own behaviour is tested on the dense recipes), the learning run on one rank with the recipe's global batch (its 2
+ranks' parity: tests/distributed/test_moe.py); export and generate run through the CLI."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ RECIPE = "tiny-moe-cpu"
 
 def test_moe_learns_the_demo_task(tmp_path):
     run_dir = tmp_path / "run"
-    run = forked.train(RECIPE, f"train.output_dir={run_dir}", "train.eval_every=0", "train.save_final=false")
+    run = forked.train_on_one_rank(RECIPE, f"train.output_dir={run_dir}", "train.eval_every=0", "train.save_final=false")
     assert run.code == 0, run.err[-3000:]
     result = summary(run_dir)
     assert result["accuracy_before"] <= 0.02 and result["accuracy_after"] >= 0.9, (result, run.out[-1500:])
