@@ -36,9 +36,11 @@ def chunked_forward(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Te
     step = max(1, chunk_tokens // max(1, b))
     if step >= s:
         return forward(x)
+    # split, not x[:, a:a + step]: split's backward concatenates the chunks' gradients once, where each slice's
+    # backward would write a zero-filled gradient of the whole x (s / step times the bytes of x per MLP or norm).
     if not torch.is_grad_enabled():
-        return torch.cat([forward(x[:, a:a + step]) for a in range(0, s, step)], dim=1)
-    return torch.cat([checkpoint(forward, x[:, a:a + step], use_reentrant=False) for a in range(0, s, step)], dim=1)
+        return torch.cat([forward(c) for c in x.split(step, dim=1)], dim=1)
+    return torch.cat([checkpoint(forward, c, use_reentrant=False) for c in x.split(step, dim=1)], dim=1)
 
 
 def _chunk_children(units: list[nn.Module], names: tuple[str, ...], chunk_tokens: int) -> list[nn.Module]:
