@@ -105,11 +105,14 @@ class _Band:
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        parts = [_sdpa(q[:, :, :self.block], k[:, :, :self.block], v[:, :, :self.block], scaling, dropout, False)]
-        for a in range(self.block, n, self.block):
-            rows, first = min(self.block, n - a), max(0, a - w + 1)  # a block before key W-1 starts at key 0
+        # The query blocks by split (one gradient concatenation in backward); the key windows overlap, so they are
+        # slices, each of whose backward writes a zero-filled gradient of the document's keys and values.
+        blocks = q.split(self.block, dim=2)
+        parts = [_sdpa(blocks[0], k[:, :, :self.block], v[:, :, :self.block], scaling, dropout, False)]
+        for a, qb in zip(range(self.block, n, self.block), blocks[1:], strict=True):
+            rows, first = qb.shape[2], max(0, a - w + 1)  # a block before key W-1 starts at key 0
             skip = first - (a - w + 1)  # the band's columns for keys before the document
-            parts.append(F.scaled_dot_product_attention(q[:, :, a:a + rows], k[:, :, first:a + rows],
+            parts.append(F.scaled_dot_product_attention(qb, k[:, :, first:a + rows],
                                                         v[:, :, first:a + rows],
                                                         attn_mask=self.bias[:rows, skip:rows + w - 1],
                                                         dropout_p=dropout, scale=scaling))
