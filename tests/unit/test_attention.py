@@ -13,6 +13,7 @@ from shardtune.engine.loss import token_loss_sum
 from shardtune.model.attention import NAME
 from shardtune.model.attention_mask import generation_attention
 from shardtune.model.build import build_model
+from tests.unit.bytes_written import BytesCreated
 
 DOCS = (5, 11, 3, 9)  # one packed row of 28 tokens
 
@@ -106,20 +107,6 @@ def test_packed_row_creates_no_s_squared_tensor(ours):
     assert (seen.numel < s * s // 2) == ours, seen.numel
 
 
-class _BytesCreated(TorchDispatchMode):
-    """Sums the bytes of every tensor the ops create (not the peak: what is written)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.bytes += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
-                          if isinstance(t, torch.Tensor))
-        return out
-
-
 def test_backward_writes_no_whole_input_per_document():
     """The attention's backward over a row of D documents: what it writes grows with the tokens, not with D x the
     tokens. Cutting each document out by indexing made every document's backward write a zero-filled gradient of
@@ -132,7 +119,7 @@ def test_backward_writes_no_whole_input_per_document():
     def written(docs: int) -> int:
         q, k, v = (torch.randn(2, h, s, d, requires_grad=True) for h in (heads, 2, 2))
         out, _ = document_attention(None, q, k, v, None, doc_lengths=[[s // docs] * docs] * 2)
-        with _BytesCreated() as seen:
+        with BytesCreated() as seen:
             out.backward(torch.ones_like(out))
         return seen.bytes
 

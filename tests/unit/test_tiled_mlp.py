@@ -13,6 +13,7 @@ from shardtune.engine.loss import token_loss_sum
 from shardtune.engine.wrap import find_units
 from shardtune.model.build import build_model
 from shardtune.model.tiled_mlp import apply_mlp_chunking
+from tests.unit.bytes_written import BytesCreated
 
 SEQ, CHUNK, INTERMEDIATE = 96, 40, 344  # tiny-llama's MLP width; 40 does not divide 2 x 96
 
@@ -55,18 +56,6 @@ def test_chunked_mlp_matches_whole_and_never_holds_the_whole_intermediate(ckpt):
     assert rows_c <= 2 * (CHUNK // 2), rows_c  # chunks of 20 positions x 2 rows
 
 
-class _BytesCreated(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.bytes += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
-                          if isinstance(t, torch.Tensor))
-        return out
-
-
 def test_chunks_backward_writes_the_input_gradient_once():
     """What the backward of a chunked forward writes grows with the tokens, not with chunks x tokens: a chunk cut out
     by slicing had its backward write a zero-filled gradient of the whole input (64 chunks: 69 MB against 1.6 MB
@@ -76,7 +65,7 @@ def test_chunks_backward_writes_the_input_gradient_once():
     def written(chunk_tokens: int) -> int:
         x = torch.randn(1, 1024, 128, requires_grad=True)
         out = chunked_forward(lambda t: t * 2, x, chunk_tokens=chunk_tokens)
-        with _BytesCreated() as seen:
+        with BytesCreated() as seen:
             out.backward(torch.ones_like(out))
         return seen.bytes
 
