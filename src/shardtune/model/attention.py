@@ -59,12 +59,11 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     assert len(doc_lengths) == b and all(sum(row) == s for row in doc_lengths), "doc_lengths match the batch"
     band = _Band(window, query) if window is not None and max(map(max, doc_lengths)) > window else None
     rows = []
-    # Documents cut out by unbind and split, not by indexing: their backward assembles each input's gradient in one
+    # Documents cut out by split, not by indexing: split's backward assembles each input's gradient in one
     # concatenation, where an index's backward would write a zero-filled gradient of the whole input per document.
-    for lengths, *qkv in zip(doc_lengths, *(t.unbind(0) for t in (query, key, value)), strict=True):
+    for lengths, *qkv in zip(doc_lengths, *(t.split(1) for t in (query, key, value)), strict=True):
         parts = []
-        for n, q, k, v in zip(lengths, *(t.split(lengths, dim=1) for t in qkv), strict=True):
-            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        for n, q, k, v in zip(lengths, *(t.split(lengths, dim=2) for t in qkv), strict=True):
             parts.append(_sdpa(q, k, v, scaling, dropout, gqa) if band is None or n <= window
                          else band.attend(q, k, v, scaling, dropout))
         rows.append(parts)
