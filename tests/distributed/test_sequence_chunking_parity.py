@@ -34,7 +34,8 @@ def _parity(mode: str) -> None:
         policy = dataclasses.replace(policy, replicated=lambda n, p: is_adapter(n), quantize_base=mode == "qlora")
     units = find_units(model, policy.unit_classes, policy.min_unit_params)
     changed = apply_sequence_chunking(units, chunk_tokens=policy.mlp_chunk_tokens)
-    assert len(changed["mlp"]) == len(units) and len(changed["norms"]) == 2 * len(units)
+    # Llama: the post-attention norm runs inside the MLP's chunks, the input norm on its own
+    assert len(changed["mlp"]) == len(changed["fused"]) == len(changed["norms"]) == len(units)
     assert len(changed["adapters"]) == (0 if mode == "full" else 3 * len(units))  # q, v, down
     offloader = ActivationOffloader(CPU)
     apply_activation_checkpointing(model, policy.unit_classes, offloader=offloader)

@@ -96,7 +96,7 @@ def test_router_balance_is_transformers_loss_per_row(name):
     for row in x:
         balance.start()
         model(input_ids=row[None])
-        layers = list(balance._seen)
+        layers = balance.recorded()
         ours = balance.loss(1, seq)
         theirs = [load_balancing_loss_func((logits,), logits.shape[-1], idx.shape[-1]) / idx.shape[-1]
                   for logits, idx in layers]

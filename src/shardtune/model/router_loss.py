@@ -30,23 +30,30 @@ class RouterBalance:
     """Records each router's output during a grad-enabled forward; `loss` turns them into the balance loss."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # per router, in call order: one entry per forward, or one per chunk of the sequence (model/tiled_mlp.py
+        # cuts its MLP's tokens in order, so a router's chunks concatenate into its whole output)
+        self._seen: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for r in routers(model):
             r.register_forward_hook(self._record)
 
     def _record(self, module: nn.Module, args, out) -> None:
         if torch.is_grad_enabled():  # training forwards only (eval and generate keep nothing)
             logits, _, indices = out
-            self._seen.append((logits, indices))
+            self._seen.setdefault(module, []).append((logits, indices))
 
     def start(self) -> None:
         self._seen.clear()  # also drops what an activation-checkpoint recompute recorded in the last backward
+
+    def recorded(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each router's (logits, top-k indices) over this forward's tokens, its chunks joined."""
+        return [tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*calls, strict=True))
+                for calls in self._seen.values()]
 
     def loss(self, rows: int, norm: int) -> torch.Tensor:
         """Σ over this forward's tokens of E·Σₑ fₑ(row)·pₑ(token), averaged over layers, / norm."""
         assert self._seen, "no router ran in this forward"
         total, layers = None, len(self._seen)
-        for logits, indices in self._seen:
+        for logits, indices in self.recorded():
             e, k = logits.shape[-1], indices.shape[-1]
             probs = F.softmax(logits.float(), dim=-1).view(rows, -1, e)  # (rows, seq, E)
             with torch.no_grad():

@@ -15,10 +15,22 @@ The block's two RMSNorms run the same way (`apply_norm_chunking`): HF's norm sav
 its own input (the unit input, and the residual after attention: b·s·h in the compute dtype), and its fp32 copy
 exists one chunk at a time, in forward and again in backward. A norm is per token (its sum runs over the hidden
 size), so each chunk's output is the whole norm's; the weight gradient is a sum over chunks.
+
+Where the block's post-attention norm feeds only its MLP (`norm_feeds_only_mlp`: Llama, Mistral, Qwen2/3, Qwen3-MoE,
+Mixtral, gpt-oss; not Gemma, whose post-attention norm is on the attention's output), the norm runs inside each MLP
+chunk (the norm's own forward becomes the identity): the chunks save views of the residual after attention, which
+is alive anyway, and the norm's output, the MLP's input (b·s·h), never exists whole. A unit's backward holds one
+b·s·h tensor less: 1 GiB at 128k tokens on an 8B model in bf16.
+
+Chunks are cut over the batch's tokens taken as one sequence ([b, s, h] viewed as [1, b·s, h]): each chunk is then
+contiguous, which a mixture-of-experts block needs (it views its input as (tokens, h)), and its tokens are in the
+order of that view, so a router's per-chunk outputs concatenate into the whole block's.
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from collections.abc import Callable
 
 import torch
@@ -27,20 +39,60 @@ from torch.utils.checkpoint import checkpoint
 
 MLP_CHILD = "mlp"
 NORM_CHILDREN = ("input_layernorm", "post_attention_layernorm")  # HF decoder blocks' two RMSNorms
+MLP_NORM = NORM_CHILDREN[1]
+# In the block's forward, the post-attention norm's output goes straight into the MLP and is overwritten by the
+# MLP's output (gpt-oss's MLP also returns its router scores): nothing else reads it.
+_NORM_THEN_MLP = re.compile(rf"hidden_states = self\.{MLP_NORM}\(hidden_states\)\s*\n"
+                            rf"\s*hidden_states(, _)? = self\.{MLP_CHILD}\(hidden_states\)")
 
 
 def chunked_forward(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *,
-                    chunk_tokens: int) -> torch.Tensor:
-    """forward(x) over [b, s, h] `x` in chunks of the sequence holding at most `chunk_tokens` tokens each."""
+                    chunk_tokens: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """forward(x) over [b, s, h] `x` in chunks of at most `chunk_tokens` of its b·s tokens. forward may return a
+    tuple (gpt-oss's MLP: its output and the router scores, (tokens, experts)): each part is concatenated."""
     b, s = x.shape[0], x.shape[1]
-    step = max(1, chunk_tokens // max(1, b))
-    if step >= s:
+    if b * s <= chunk_tokens:
         return forward(x)
-    # split, not x[:, a:a + step]: split's backward concatenates the chunks' gradients once, where each slice's
+    flat = x.reshape(1, b * s, *x.shape[2:])
+    # split, not flat[:, a:a + step]: split's backward concatenates the chunks' gradients once, where each slice's
     # backward would write a zero-filled gradient of the whole x (s / step times the bytes of x per MLP or norm).
-    if not torch.is_grad_enabled():
-        return torch.cat([forward(c) for c in x.split(step, dim=1)], dim=1)
-    return torch.cat([checkpoint(forward, c, use_reentrant=False) for c in x.split(step, dim=1)], dim=1)
+    chunks = flat.split(chunk_tokens, dim=1)
+    if torch.is_grad_enabled():
+        outs = [checkpoint(forward, c, use_reentrant=False) for c in chunks]
+    else:
+        outs = [forward(c) for c in chunks]
+    if isinstance(outs[0], tuple):
+        return tuple(_join(list(part), b, s) for part in zip(*outs, strict=True))
+    return _join(outs, b, s)
+
+
+def _join(parts: list[torch.Tensor], b: int, s: int) -> torch.Tensor:
+    """Chunks' outputs -> the whole: [1, n, ...] pieces back to [b, s, ...]; (n, ...) pieces (per token) stacked."""
+    if parts[0].dim() >= 3:
+        out = torch.cat(parts, dim=1)
+        return out.view(b, s, *out.shape[2:])
+    return torch.cat(parts, dim=0)
+
+
+@functools.cache
+def _block_norm_feeds_only_mlp(block_class: type) -> bool:
+    declared = getattr(block_class, "NORM_FEEDS_ONLY_MLP", None)  # plan/skeleton.py's stand-ins have no forward
+    if declared is not None:
+        return declared
+    try:
+        return bool(_NORM_THEN_MLP.search(inspect.getsource(block_class.forward)))
+    except (OSError, TypeError):  # no source to read: keep the norm as its own chunked module
+        return False
+
+
+def norm_feeds_only_mlp(unit: nn.Module) -> bool:
+    """Whether `unit`'s post-attention norm can run inside its MLP's chunks (the module docstring)."""
+    return (isinstance(getattr(unit, MLP_NORM, None), nn.Module) and isinstance(getattr(unit, MLP_CHILD, None), nn.Module)
+            and _block_norm_feeds_only_mlp(type(unit)))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _chunk_children(units: list[nn.Module], names: tuple[str, ...], chunk_tokens: int) -> list[nn.Module]:
@@ -55,22 +107,47 @@ def _chunk_children(units: list[nn.Module], names: tuple[str, ...], chunk_tokens
     return changed
 
 
+def _norm_then(norm: Callable[[torch.Tensor], torch.Tensor],
+               mlp: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: mlp(norm(x))
+
+
+def apply_fused_norm_mlp_chunking(units: list[nn.Module], *, chunk_tokens: int) -> list[nn.Module]:
+    """For each unit where `norm_feeds_only_mlp`: the post-attention norm inside each MLP chunk, its own forward the
+    identity. Returns the MLP modules changed (each unit's norm is changed with it)."""
+    changed = []
+    for unit in units:
+        if norm_feeds_only_mlp(unit):
+            norm, mlp = getattr(unit, MLP_NORM), getattr(unit, MLP_CHILD)
+            mlp.forward = functools.partial(chunked_forward, _norm_then(norm.forward, mlp.forward),
+                                            chunk_tokens=chunk_tokens)
+            norm.forward = _identity
+            changed.append(mlp)
+    return changed
+
+
 def apply_mlp_chunking(units: list[nn.Module], *, chunk_tokens: int) -> list[nn.Module]:
     """Chunk the MLP of each unit (its `mlp` child) over the sequence; returns the MLP modules changed."""
     return _chunk_children(units, (MLP_CHILD,), chunk_tokens)
 
 
-def apply_norm_chunking(units: list[nn.Module], *, chunk_tokens: int) -> list[nn.Module]:
-    """Chunk each unit's RMSNorms (NORM_CHILDREN) over the sequence; returns the norm modules changed."""
-    return _chunk_children(units, NORM_CHILDREN, chunk_tokens)
+def apply_norm_chunking(units: list[nn.Module], *, chunk_tokens: int,
+                        names: tuple[str, ...] = NORM_CHILDREN) -> list[nn.Module]:
+    """Chunk each unit's RMSNorms (`names`) over the sequence; returns the norm modules changed."""
+    return _chunk_children(units, names, chunk_tokens)
 
 
 def apply_sequence_chunking(units: list[nn.Module], *, chunk_tokens: int) -> dict[str, list[nn.Module]]:
     """engine.mlp_chunk_tokens: each unit's MLP, RMSNorms and LoRA adapter branches (model/chunked_lora.py) over chunks of
     the sequence: what a unit keeps, or makes in fp32, of the whole sequence's width is then only in the compute
-    dtype (its input, the residual, the attention's tensors and the norms' outputs). Returns the modules changed."""
+    dtype (its input, the residual, the attention's tensors and the attention's input). Returns the modules
+    changed: "mlp" (with its norm where fused), "fused" (those MLPs), "norms" (the norms chunked on their own)."""
     from shardtune.model.chunked_lora import apply_chunked_lora
 
-    return {"mlp": apply_mlp_chunking(units, chunk_tokens=chunk_tokens),
-            "norms": apply_norm_chunking(units, chunk_tokens=chunk_tokens),
+    fused = apply_fused_norm_mlp_chunking(units, chunk_tokens=chunk_tokens)
+    done = {id(m) for m in fused}
+    rest = [u for u in units if id(getattr(u, MLP_CHILD, None)) not in done]
+    return {"mlp": fused + apply_mlp_chunking(rest, chunk_tokens=chunk_tokens), "fused": fused,
+            "norms": (apply_norm_chunking(units, chunk_tokens=chunk_tokens, names=NORM_CHILDREN[:1])
+                      + apply_norm_chunking(rest, chunk_tokens=chunk_tokens, names=NORM_CHILDREN[1:])),
             "adapters": apply_chunked_lora(units, chunk_tokens=chunk_tokens)}

@@ -248,19 +248,29 @@ def chunked_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
     """Norms and MLP with engine.mlp_chunk_tokens = C (model/tiled_mlp.py, model/chunked_lora.py). Each norm chunk saves a view
     of its input: the unit input (counted apart) and the residual after attention (b·s·h); the two norm outputs are
     saved by their readers: the attention input by q/k/v (their weight grads; under LoRA only when an adapter reads
-    it, LoraDelta keeping it in the compute dtype), the MLP input by the MLP chunks. One chunk's MLP set at a time
+    it, LoraDelta keeping it in the compute dtype), the MLP input by the MLP chunks, unless the post-attention norm
+    runs inside the MLP's chunks (`norm_feeds_only_mlp`: Llama, Mistral, Qwen, Mixtral, gpt-oss), whose saved
+    inputs are then views of the residual. One chunk's MLP set at a time
     (its recompute, then its backward): gate, up, act(gate), act·up (LoRA: act·up only as down's adapter input).
     Every adapter keeps its (b·s, r) fp32 lora_A output; no fp32 copy of any input."""
     d, bs, c = stats.dims, s.micro_batch * s.seq_len, _size(s.compute)
     C = s.mlp_chunk
     targets = set(linear_targets(stats)) if s.lora else set()
     attn_in = not s.lora or bool(targets & {"q_proj", "k_proj", "v_proj"})
-    norms = bs * d.hidden * c * (2 + attn_in)
+    norms = bs * d.hidden * c * (1 + (not fused_norm_mlp(stats)) + attn_in)
     if not s.lora:
         return norms, 4 * C * d.intermediate * c
     named = targets & {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     mlp = (3 + ("down_proj" in targets)) * C * d.intermediate * c + len(named) * bs * stats.recipe.lora.r * 4
     return norms, mlp
+
+
+def fused_norm_mlp(stats: ModelStats) -> bool:
+    """Whether engine.mlp_chunk_tokens runs the post-attention norm inside the MLP's chunks (model/tiled_mlp.py)."""
+    from shardtune.model.tiled_mlp import MLP_CHILD, norm_feeds_only_mlp
+
+    block = next((m for m in stats.model.modules() if hasattr(m, MLP_CHILD)), None)  # the first decoder block
+    return block is not None and norm_feeds_only_mlp(block)
 
 
 def nf4_matmul_bytes(units: list[UnitLayout], c: int) -> int:

@@ -36,7 +36,9 @@ def build_skeleton(raw: dict, dtype: torch.dtype) -> nn.Module:
     fam, c = FAMILIES[raw["model_type"]], config_namespace(raw)
     qkv_bias = fam.qkv_bias_always or bool(fam.qkv_bias_key and raw.get(fam.qkv_bias_key, False))
     o_bias = bool(fam.qkv_bias_key and raw.get(fam.qkv_bias_key, False))
-    block = type(f"{fam.prefix}DecoderLayer", (nn.Module,), {})  # the unit class engine.wrap names
+    # the unit class engine.wrap names; the families' blocks feed the post-attention norm only to the MLP
+    # (model/tiled_mlp.py reads this for a block with no source; tests/unit/plan/test_skeleton.py checks HF's)
+    block = type(f"{fam.prefix}DecoderLayer", (nn.Module,), {"NORM_FEEDS_ONLY_MLP": True})
     names = {k: type(f"{fam.prefix}{k}", (nn.Module,), {}) for k in ("Attention", "MLP", "RMSNorm", "Model",
                                                                      "RotaryEmbedding")}
     h, q, kv, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \

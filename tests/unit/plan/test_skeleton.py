@@ -53,6 +53,11 @@ def test_skeleton_matches_hf_model_on_meta(path: Path, tmp_path: Path) -> None:
     assert oc == hc
     assert set(on) == set(hn)
     assert Dims.from_config(skeleton.config_namespace(raw)) == Dims.from_config(hf_config)
+    # engine.mlp_chunk_tokens runs the post-attention norm inside the MLP's chunks where HF's block source says its
+    # output feeds only the MLP; the skeleton's block declares the same (the plan counts one b·s·h less)
+    from shardtune.model.tiled_mlp import norm_feeds_only_mlp
+
+    assert norm_feeds_only_mlp(hf.model.layers[0]) and norm_feeds_only_mlp(ours.model.layers[0])
 
 
 @pytest.mark.parametrize("path", MOE_MODELS, ids=lambda p: p.stem)
