@@ -480,6 +480,11 @@ def to_host(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: boo
     already. Simulated: zeros, a meta tensor has no values."""
     if tensor.is_meta:
         host_sync("to_host")
+        # CUDA's blocking copy waits for the current stream's work: the allocator model's pending blocks whose
+        # recorded streams it passes can then go back to their pools
+        done = SimEvent()
+        done.record()
+        done.synchronize()
         return torch.zeros(tensor.shape, dtype=dtype or tensor.dtype)
     return tensor.to("cpu", dtype, copy=copy)
 

@@ -24,6 +24,7 @@ from shardtune import accelerator
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import check_world
 from shardtune.errors import UserError
+from shardtune.model.moe_checks import model_problems
 from shardtune.simulated.allocator import AllocatorTracker
 from shardtune.simulated.fsdp2_offload import is_nf4
 from shardtune.simulated.host import is_host
@@ -48,9 +49,18 @@ FACTORS: dict[str, list[Any]] = {
     "backend": ["shardtune", "torch"],
     "objective": ["sft", "dpo"],
     "grad_accum": [1, 2],
+    # Beyond the issue's list, what later options let a user write: a mixture of experts (tiny-moe-cpu), the long
+    # context options, and micro-batches of several rows (a chunk of the sequence across rows once broke MoE blocks)
+    "model": ["dense", "moe"],
+    "long_context": ["off", "offload_activations", "mlp_chunk", "both"],
+    "rows": [1, 2],
 }
-# Tiny and short: 1 micro-batch of 1 row per rank per step, 32 tokens.
-BASE = ("data.num_samples=48", "data.seq_len=32", "data.eval_fraction=0.1", "train.micro_batch_size=1",
+RECIPES = {"dense": "tiny-cpu", "moe": "tiny-moe-cpu"}
+LONG_CONTEXT = {"off": (), "offload_activations": ("engine.offload_activations=true",),
+                "mlp_chunk": ("engine.mlp_chunk_tokens=16",),  # 32-token rows: 2 chunks per row or more
+                "both": ("engine.offload_activations=true", "engine.mlp_chunk_tokens=16")}
+# Tiny and short: 1 micro-batch of 1 or 2 rows per rank per step, 32 tokens.
+BASE = ("data.num_samples=48", "data.seq_len=32", "data.eval_fraction=0.1",
         "train.max_steps=2", "train.warmup_steps=0", "train.save_every=0", "train.demo_eval=false",
         "train.keep_last=0")
 TUNING = {"full": (), "lora": ("lora.enabled=true", "lora.r=4", "lora.alpha=8"),
@@ -65,19 +75,26 @@ def overrides(row: Row) -> list[str]:
            f"engine.cpu_offload={row['offload']}", f"engine.vocab_parallel={row['vocab_parallel']}",
            f"engine.shard_adapter_states={row['shard_adapter_states']}", f"engine.backend={row['backend']}",
            f"train.grad_accum={row['grad_accum']}", f"launch.nproc_per_node={row['world']}", *TUNING[row["tuning"]],
-           *(DPO if row["objective"] == "dpo" else ())]
+           *(DPO if row["objective"] == "dpo" else ()), *LONG_CONTEXT[row["long_context"]],
+           f"train.micro_batch_size={row['rows']}"]
     if row["strategy"] == "hybrid_shard":  # 2 replicas of W/2 ranks: 2x2 at W=4, 2x4 at W=8
         out.append(f"engine.hybrid_shard_size={max(1, row['world'] // 2)}")
     return out
 
 
+def recipe(row: Row) -> str:
+    """The shipped recipe the row's overrides go on."""
+    return RECIPES[row["model"]]
+
+
 def refusal(row: Row) -> str | None:
     """The product's own answer: the one line `shardtune validate` prints for this row, or None."""
     try:
-        check_world(load_recipe("tiny-cpu", [*BASE, *overrides(row)]), row["world"])
+        resolved = load_recipe(recipe(row), [*BASE, *overrides(row)])
+        check_world(resolved, row["world"])
     except UserError as e:
         return str(e)
-    return None
+    return next(iter(model_problems(resolved)), None)  # validate's model checks (MoE: what LoRA on experts allows)
 
 
 def row_id(row: Row) -> str:
@@ -86,7 +103,8 @@ def row_id(row: Row) -> str:
 
 # Beside the pairs: the issue's reproductions on our backend, each a row a user writes.
 _DEFAULTS = {"precision": "fp32", "reduce_dtype": "fp32", "checkpointing": False, "vocab_parallel": True,
-             "shard_adapter_states": True, "backend": "shardtune", "objective": "sft", "grad_accum": 1}
+             "shard_adapter_states": True, "backend": "shardtune", "objective": "sft", "grad_accum": 1,
+             "model": "dense", "long_context": "off", "rows": 1}
 EXTRA: list[Row] = [
     {"world": 4, "strategy": "hybrid_shard", **_DEFAULTS, "offload": True, "tuning": "full"},  # hybrid 2x2 + offload
     # FSDP2 + LoRA + DPO at one rank (llama-3.1-8b-dpo-lora-1x24gb engine.backend=torch): the first forward is the
@@ -114,8 +132,9 @@ def known_failure(row: Row) -> str | None:
 # -- inside the ranks ------------------------------------------------------------------------------------------------
 def _build(out: Path, row: Row) -> T.Run:
     cache = out.parent / f"data-cache-{row['objective']}"  # one tokenized cache per data set for a start
-    recipe = load_recipe("tiny-cpu", [f"train.output_dir={out}", f"data.cache_dir={cache}", *BASE, *overrides(row)])
-    return T.setup(recipe, simulated=True)
+    resolved = load_recipe(recipe(row), [f"train.output_dir={out}", f"data.cache_dir={cache}", *BASE,
+                                         *overrides(row)])
+    return T.setup(resolved, simulated=True)
 
 
 def step_save_resume(row: Row, out: Path) -> None:
