@@ -107,6 +107,11 @@ def init_process_group(device: torch.device, *, rank: int, world_size: int, time
     _HOST_GROUP.clear()
     _HOST_GROUP.append(dist.group.WORLD if backend(device) == "gloo" else dist.new_group(backend="gloo",
                                                                                          timeout=timeout))
+    # gloo's connect returns on one rank before its peers have finished theirs: a rank that then stops at once (a
+    # user error in setup) closed its sockets under a peer still connecting, whose traceback then hid the one line
+    # (seen under load: "Gloo connectFullMesh failed ... Connection closed by peer"). No rank leaves before all
+    # are connected.
+    dist.barrier(group=host_group())
 
 
 def host_group() -> Any:

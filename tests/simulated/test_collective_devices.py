@@ -31,6 +31,7 @@ ON_DEVICE = {
 }
 # (file, function) -> the gloo group it passes on purpose.
 ON_HOST_GROUP = {
+    ("accelerator.py", "init_process_group"): "the host group it just made: no rank leaves before all connected",
     ("checkpoint/manager.py", "_agree_ok"): "accelerator.host_group()",
     ("checkpoint/manager.py", "_barrier"): "accelerator.host_group()",
     ("data/ranks.py", "prepare_for_ranks"): "dist.new_group(backend='gloo')",
