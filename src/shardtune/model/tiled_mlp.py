@@ -144,9 +144,8 @@ def apply_sequence_chunking(units: list[nn.Module], *, chunk_tokens: int) -> dic
     changed: "mlp" (with its norm where fused), "fused" (those MLPs), "norms" (the norms chunked on their own)."""
     from shardtune.model.chunked_lora import apply_chunked_lora
 
+    rest = [u for u in units if not norm_feeds_only_mlp(u)]  # before fusing: it reads the children's modules
     fused = apply_fused_norm_mlp_chunking(units, chunk_tokens=chunk_tokens)
-    done = {id(m) for m in fused}
-    rest = [u for u in units if id(getattr(u, MLP_CHILD, None)) not in done]
     return {"mlp": fused + apply_mlp_chunking(rest, chunk_tokens=chunk_tokens), "fused": fused,
             "norms": (apply_norm_chunking(units, chunk_tokens=chunk_tokens, names=NORM_CHILDREN[:1])
                       + apply_norm_chunking(rest, chunk_tokens=chunk_tokens, names=NORM_CHILDREN[1:])),
