@@ -42,7 +42,8 @@ class Case:
     recipe: str = "tiny-cpu"
     own_model: bool = True  # False: the recipe's own model (the demo recipes as users run them)
     vocab: int | None = None  # the own model with this vocabulary instead of MODEL's
-    long_docs: bool = False  # data: LONG_DOCS text documents of LONG_DOC_CHARS characters (char tokenizer)
+    long_docs: bool = False  # data: LONG_DOCS text documents of `doc_chars` characters (char tokenizer)
+    doc_chars: int = 0  # long_docs: characters per document (0: LONG_DOC_CHARS)
     arch: str = "llama"  # the own model: MODEL, or MOE_MODEL ("moe")
 
 
@@ -205,20 +206,29 @@ def vocab_grid(subset: bool = False) -> list[Case]:
 LONG_DOCS, LONG_DOC_CHARS = 12, 2900
 LONG = ("data.seq_len=8192", "train.micro_batch_size=1", "train.max_steps=1", "data.format=text")
 CK, OFF = "engine.activation_checkpointing=true", "engine.offload_activations=true"
+CP = "engine.context_parallel=true"
 LONG_GRID = [  # name, world, extra overrides
     ("w1 fp32 s8192", 1, ()), ("w1 fp32 s8192 ckpt", 1, (CK,)), ("w1 fp32 s8192 ckpt offload", 1, (CK, OFF)),
     ("w2 fp32 s8192", 2, ()),
     ("w2 fp32 s8192 ckpt offload", 2, (CK, OFF)),
     ("w2 bf16 s8192 lora ckpt offload", 2, ("engine.mixed_precision=bf16", "lora.enabled=true", CK, OFF)),
 ]
+# engine.context_parallel: the plan takes the costliest rows, one document each (model/context_parallel.py pads the
+# last rank's queries to the whole document); documents longer than the row, truncated to it. Two steps: the second
+# step's backward has the AdamW states (a step-1 peak has none, a few % of this small a step)
+WHOLE_ROW_CHARS = 9000
+CP_GRID = [("w2 fp32 s8192 context-parallel", 2, (CP, "train.max_steps=2")),
+           ("w2 fp32 s8192 ckpt offload context-parallel", 2, (CK, OFF, CP, "train.max_steps=2"))]
 
 
 def long_context_grid() -> list[Case]:
-    return [Case(name, world, (*LONG, *extra), own_model=False, long_docs=True) for name, world, extra in LONG_GRID]
+    return [*(Case(name, world, (*LONG, *extra), own_model=False, long_docs=True) for name, world, extra in LONG_GRID),
+            *(Case(name, world, (*LONG, *extra), own_model=False, long_docs=True, doc_chars=WHOLE_ROW_CHARS)
+              for name, world, extra in CP_GRID)]
 
 
-def _long_docs_file(workdir: Path) -> Path:
-    return workdir / "long_docs.jsonl"
+def _long_docs_file(workdir: Path, chars: int = 0) -> Path:
+    return workdir / f"long_docs_{chars or LONG_DOC_CHARS}.jsonl"
 
 
 def _long_model_file(workdir: Path) -> Path:
@@ -234,7 +244,7 @@ def _model_file(case: Case, workdir: Path) -> Path:
 
 def recipe_overrides(case: Case, workdir: Path, index: int) -> list[str]:
     model = [f"model.config={_model_file(case, workdir)}"] if case.own_model else []
-    model += [f"model.config={_long_model_file(workdir)}", f"data.path={_long_docs_file(workdir)}"] \
+    model += [f"model.config={_long_model_file(workdir)}", f"data.path={_long_docs_file(workdir, case.doc_chars)}"] \
         if case.long_docs else []
     return [*model, *BASE, f"launch.nproc_per_node={case.world}", f"train.output_dir={workdir / f'run{index}'}",
             *case.overrides]
@@ -289,9 +299,10 @@ def measure(cases: list[Case], workdir: Path) -> list[int]:
     tiny = json.loads((CONFIGS_DIR / "models" / "tiny-llama.json").read_text())
     _long_model_file(workdir).write_text(json.dumps({**tiny, "max_position_embeddings": 8192}))
     letters = "abcdefghijklmnopqrstuvwxyz "
-    _long_docs_file(workdir).write_text("".join(
-        json.dumps({"text": "".join(letters[(i * 7 + j * j) % 27] for j in range(LONG_DOC_CHARS))}) + "\n"
-        for i in range(LONG_DOCS)))
+    for chars in {c.doc_chars for c in cases if c.long_docs}:
+        _long_docs_file(workdir, chars).write_text("".join(
+            json.dumps({"text": "".join(letters[(i * 7 + j * j) % 27] for j in range(chars or LONG_DOC_CHARS))}) + "\n"
+            for i in range(LONG_DOCS)))
     for c in cases:
         if c.vocab is not None:
             _model_file(c, workdir).write_text(json.dumps({**MODEL, "vocab_size": c.vocab}))

@@ -54,6 +54,10 @@ BAD_OVERRIDES = [
     (["train.seed=-1"], "train.seed"),  # numpy's generators (the data split) take no negative seed
     (["train.eps=-1e-8"], "train.eps"),  # AdamW refuses it in every worker
     (["data.path=[{path: builtin:reverse, weight: inf}]"], "data.path[0].weight"),  # a mix entry (its own check)
+    # context parallelism: a row that does not split evenly, and what the split attention does not run with
+    (["engine.context_parallel=true", "data.seq_len=127"], "engine.context_parallel"),
+    (["engine.context_parallel=true", "engine.backend=torch"], "engine.context_parallel"),
+    (["engine.context_parallel=true", "model.attn_implementation=eager"], "engine.context_parallel"),
 ]
 
 
@@ -175,3 +179,15 @@ def test_a_path_the_file_system_refuses_is_one_line(capsys):
     path, exit 2, no traceback."""
     code, _, err = run_cli(["train", "tiny-cpu", "train.output_dir=/proc/shardtune-run"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "'/proc/shardtune-run'" in err, err
+
+
+def test_context_parallel_refuses_dpo_and_sliding_windows_in_one_line(tmp_path, capsys):
+    """engine.context_parallel with DPO (log-probabilities summed over a whole row), and on a model whose layers
+    attend through a sliding window (the split attention is causal over the whole row)."""
+    config = json.loads((CONFIGS_DIR / "models" / "tiny-qwen2.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    (tmp_path / "windowed.json").write_text(json.dumps(config))
+    for args in (["tiny-dpo-cpu"], ["tiny-cpu", f"model.config={tmp_path / 'windowed.json'}"]):
+        code, out, err = run_cli(["validate", *args, "engine.context_parallel=true"], capsys)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and "engine.context_parallel" in lines[0], (args, out, err)

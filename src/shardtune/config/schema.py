@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,10 @@ class EngineConfig:
     # intermediates exist one chunk at a time, for one more MLP forward per step. The block's RMSNorms and LoRA
     # adapter branches (dropout 0) run chunked too: no fp32 copy of a whole b·s·h input. 0 = off (whole sequence).
     mlp_chunk_tokens: int = 0
+    # Context parallelism (model/context_parallel.py): the ranks of each shard group split every row's sequence,
+    # 1/N each, and all-gather the keys and values before each attention: activations /N per rank, for the same
+    # global batch read by N ranks. Our backend, SFT, models without sliding-window attention.
+    context_parallel: bool = False
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")
@@ -162,11 +167,33 @@ def check_world(recipe: Recipe, world_size: int, local_world_size: int | None = 
                             f"pick a divisor of {world_size}")
     elif engine.strategy == "no_shard":
         shard = 1
+    if engine.context_parallel:
+        _check_context_parallel(recipe, shard, world_size)
     if shard == 1 and engine.backend == "torch" and recipe.lora.enabled and recipe.lora.quantize_base == "nf4":
         # torch 2.13's FSDP2 builds a one-rank group's parameters from one all-gather input; torchao's NF4 has three
         raise UserError("lora.quantize_base=nf4 with engine.backend=torch needs a shard group of 2+ ranks (FSDP2 "
                         f"cannot unshard torchao's NF4 weights in a group of one; here {world_size} rank(s), "
                         f"engine.strategy={engine.strategy}): use engine.backend=shardtune, or full_shard on 2+ GPUs")
+
+
+def _check_context_parallel(recipe: Recipe, shard: int, world_size: int) -> None:
+    """engine.context_parallel splits sequences over the shard group (model/context_parallel.py)."""
+    engine = recipe.engine
+    why = ("engine.backend=torch (FSDP2 here has no sequence split): use engine.backend=shardtune"
+           if engine.backend == "torch" else
+           "train.objective=dpo (a pair's log-probabilities are summed over the whole row): use train.objective=sft"
+           if recipe.train.objective == "dpo" else
+           f"model.attn_implementation={recipe.model.attn_implementation} (the split attention is sdpa's): use sdpa"
+           if recipe.model.attn_implementation != "sdpa" else None)
+    if why:
+        raise UserError(f"engine.context_parallel=true does not run with {why}, or set engine.context_parallel=false")
+    if shard == 1:
+        warnings.warn(f"engine.context_parallel=true is ignored: the shard group has one rank ({world_size} rank(s), "
+                      f"engine.strategy={engine.strategy}); each rank runs whole sequences", stacklevel=3)
+        return
+    if recipe.data.seq_len % shard:
+        raise UserError(f"engine.context_parallel=true splits data.seq_len={recipe.data.seq_len} over the shard "
+                        f"group's {shard} ranks: set data.seq_len to a multiple of {shard}")
 
 
 @dataclass(kw_only=True)

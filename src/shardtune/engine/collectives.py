@@ -142,3 +142,28 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, counter: CommC
     counter.add("all_reduce", tensor.dtype, 2 * _ring_bytes(tensor.numel(), tensor.element_size(), world))
     return _issued("all_reduce", tensor, label,
                    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
+
+
+class GatherSequence(torch.autograd.Function):
+    """[b, heads, n, d] on each of N ranks -> [b, heads, N·n, d], the ranks' pieces in rank order (the keys and
+    values of engine.context_parallel, model/context_parallel.py). Backward: the gradient's pieces summed over the
+    ranks, each rank keeping its own (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, counter: CommCounter) -> torch.Tensor:
+        ctx.group, ctx.counter, ctx.shape = group, counter, x.shape
+        world = dist.get_world_size(group)
+        out = x.new_empty((world, *x.shape))
+        all_gather_into(out.view(-1), x.contiguous().view(-1), group, counter, label="context_parallel")
+        b, h, n, d = x.shape
+        return out.permute(1, 2, 0, 3, 4).reshape(b, h, world * n, d)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        b, h, n, d = ctx.shape
+        world = dist.get_world_size(ctx.group)
+        full = grad.reshape(b, h, world, n, d).permute(2, 0, 1, 3, 4).contiguous()
+        out = grad.new_empty(ctx.shape)
+        reduce_scatter_into(out.view(-1), full.view(-1), ctx.group, ctx.counter, full_is_scratch=True,
+                            label="context_parallel")
+        return out, None, None

@@ -30,12 +30,15 @@ from torch import nn
 
 from shardtune.data.formats import IGNORE
 from shardtune.engine.layout import supports_chunked_loss  # also what vocab_parallel shards (layout.py)
+from shardtune.model import context_parallel
 
 
 def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                    *, chunk_tokens: int = 0, doc_lengths: tuple | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy over target tokens, in fp32. `chunk_tokens=0`: full logits in one piece.
     `doc_lengths`: each row's documents (model/attention.py), so the attention finds them without a device sync."""
+    if context_parallel.size() > 1:
+        return _context_parallel_loss(model, input_ids, labels, position_ids, chunk_tokens, doc_lengths)
     extra = {} if doc_lengths is None else {"doc_lengths": doc_lengths}
     if chunk_tokens <= 0 or not supports_chunked_loss(model):
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
@@ -45,6 +48,21 @@ def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     # avoids a copy of b*s*H.
     targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1).flatten()
     return _fused_loss(model, input_ids, position_ids, targets, chunk_tokens, extra)
+
+
+def _context_parallel_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                           position_ids: torch.Tensor, chunk_tokens: int, doc_lengths: tuple | None) -> torch.Tensor:
+    """engine.context_parallel (model/context_parallel.py): the loss summed over this rank's tokens of each row, whose
+    targets are shifted over the whole row first (a rank's last token's target is the next rank's first token)."""
+    b, s = input_ids.shape
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+    a, z = context_parallel.bounds(s)
+    ids, pos, targets = (t[:, a:z].contiguous() for t in (input_ids, position_ids.expand(b, -1), targets))
+    context_parallel.set_rows(a, z, doc_lengths or [[s]] * b)
+    if chunk_tokens > 0 and supports_chunked_loss(model):
+        return _fused_loss(model, ids, pos, targets.flatten(), chunk_tokens, {})
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def _fused_loss(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,

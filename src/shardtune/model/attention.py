@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.data import packing
+from shardtune.model import context_parallel
 from shardtune.model.attention_mask import (  # NAME: the attn_implementation `sdpa` builds
     NAME,
     cached_attention,
@@ -42,6 +43,10 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
                        doc_lengths: packing.DocLengths | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> ([b, s, heads, d], None), as transformers expects."""
+    if context_parallel.active():  # this rank's part of each row, over the group's keys and values
+        gqa = key.shape[1] != query.shape[1]
+        out = context_parallel.attention(query, key, value, lambda q, k, v: _sdpa(q, k, v, scaling, dropout, gqa))
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # a 4-D mask of the caller's, or a KV cache
         return cached_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                 **kwargs), None

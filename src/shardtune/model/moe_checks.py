@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardtune.model import context_parallel
 from shardtune.model.experts import EXPERTS_TARGET, expert_modules, expert_weights
 
 AUTO = "auto"
@@ -60,9 +61,10 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> Targets:
 
 
 def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
-    """The settings this model cannot take, one line each: unmatched LoRA targets, what experts do not support."""
+    """The settings this model cannot take, one line each: unmatched LoRA targets, what experts do not support, a
+    sliding window under engine.context_parallel."""
     lora, coef = recipe.lora, recipe.train.router_aux_loss_coef
-    problems = []
+    problems = [p for p in [context_parallel.model_problem(model.config)] if p and recipe.engine.context_parallel]
     if coef and not expert_modules(model):
         problems.append(f"train.router_aux_loss_coef={coef}: the model has no experts (no router to balance); set 0")
     elif coef and recipe.train.objective != "sft":
@@ -87,7 +89,7 @@ def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
 
 def model_problems(recipe) -> list[str]:  # recipe: Recipe
     """`validate`'s check, on a meta model (no weights)."""
-    if not recipe.lora.enabled and not recipe.train.router_aux_loss_coef:
+    if not recipe.lora.enabled and not recipe.train.router_aux_loss_coef and not recipe.engine.context_parallel:
         return []
     from transformers import AutoModelForCausalLM
 

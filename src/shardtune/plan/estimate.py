@@ -90,6 +90,7 @@ class Setup:
     backend: str = "shardtune"  # engine.backend: FSDP2 shards the adapters like any parameter (no bucket)
     offload_activations: bool = False  # engine.offload_activations (engine/offload_activations.py)
     mlp_chunk: int = 0  # engine.mlp_chunk_tokens (model/tiled_mlp.py): tokens per MLP chunk; 0: the whole sequence
+    context_parallel: int = 1  # engine.context_parallel (model/context_parallel.py): ranks splitting each row
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -109,7 +110,13 @@ class Setup:
                    nf4_tile_bytes=p.nf4_tile_bytes, vocab_parallel=p.vocab_parallel and ours,
                    split_tables=p.vocab_parallel and not ours,
                    shard_adapter_states=p.shard_replicated_states and ours, backend=r.engine.backend,
-                   offload_activations=p.offload_activations, mlp_chunk=p.mlp_chunk_tokens)
+                   offload_activations=p.offload_activations, mlp_chunk=p.mlp_chunk_tokens,
+                   context_parallel=context_parallel_size(r, world, nodes))
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each row this rank runs: the row, or its 1/N under engine.context_parallel."""
+        return self.seq_len // self.context_parallel
 
     @property
     def keeps_units(self) -> bool:
@@ -125,6 +132,15 @@ class Setup:
         if self.strategy == "hybrid_shard":
             return self.hybrid_shard_size or max(1, self.world // self.nodes)
         return self.world
+
+
+def context_parallel_size(r: Recipe, world: int, nodes: int) -> int:
+    """The ranks that split each row (engine.context_parallel: the shard group, on our backend), else 1."""
+    if not r.engine.context_parallel or r.engine.backend != "shardtune" or r.engine.strategy == "no_shard":
+        return 1
+    if r.engine.strategy == "hybrid_shard":
+        return r.engine.hybrid_shard_size or max(1, world // nodes)
+    return world
 
 
 def rows_per_forward(r: Recipe) -> int:
@@ -152,7 +168,7 @@ class Estimate:
 
 
 def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
-    d, b, n = stats.dims, s.micro_batch, s.seq_len
+    d, b, n = stats.dims, s.micro_batch, s.local_seq
     c = _size(s.compute)
     bs = b * n
     q_dim = d.num_heads * d.head_dim
@@ -161,6 +177,12 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     mask = s.packing and stats.recipe.model.attn_implementation == "eager"
     kv_dim = q_dim if mask else d.num_kv_heads * d.head_dim
     attn = bs * c * (2 * q_dim + 2 * kv_dim)  # q, attention output, k, v
+    if s.context_parallel > 1:
+        # model/context_parallel.py on the last rank (the largest; the plan takes one document of the whole row): the
+        # gathered k and v of the row, the queries padded to the row and the padded output (both saved by SDPA),
+        # the output's part then assembled (as the per-document path does)
+        row = b * s.seq_len
+        attn = row * c * (2 * q_dim + 2 * kv_dim) + bs * c * q_dim
     # Packed SFT rows, per-document calls (model/attention.py): each call's output (saved by SDPA) and their concatenation
     # are two tensors. DPO rows are one causal call each.
     # A document longer than the sliding window (model/attention.py `_Band`; the plan takes the worst case, one
@@ -169,7 +191,7 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     band = d.window is not None and d.window < n and stats.recipe.model.attn_implementation != "eager"
     if band:
         attn += bs * c * 2 * (q_dim - kv_dim)
-    if band or (s.packing and not mask and stats.recipe.train.objective == "sft"):
+    if s.context_parallel == 1 and (band or (s.packing and not mask and stats.recipe.train.objective == "sft")):
         attn += bs * c * q_dim
     if 0 < s.mlp_chunk < bs:  # model/tiled_mlp.py: MLP, norms and adapter branches over sequence chunks
         norms, mlp = chunked_norms_mlp_bytes(stats, s)
@@ -178,7 +200,8 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     else:
         norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
         mlp = 4 * bs * d.intermediate * c
-    extra = (b * n * n * c if mask else 0) + b * d.num_heads * n * 4 + 2 * bs * 4
+    lse = b * d.num_heads * (s.seq_len if s.context_parallel > 1 else n) * 4  # SDPA's log-sum-exp, per query
+    extra = (b * n * n * c if mask else 0) + lse + 2 * bs * 4
     if band:
         block = min(d.window, WINDOW_BLOCK)
         extra += block * (block + d.window - 1) * c
@@ -203,7 +226,7 @@ def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
     (shared by modules reading the same tensor; o_proj's is the attention output, saved anyway), in bf16 one fp32
     cast per adapted module; plus its (b·s, r) lora_A output. FSDP2 (engine.backend=torch) casts the adapters to
     the compute dtype with every other parameter: no cast, every saved adapter tensor in the compute dtype."""
-    d, bs, c = stats.dims, s.micro_batch * s.seq_len, _size(s.compute)
+    d, bs, c = stats.dims, s.micro_batch * s.local_seq, _size(s.compute)
     a = c if s.backend == "torch" else 4  # the adapters' compute dtype
     q_dim, r = d.num_heads * d.head_dim, stats.recipe.lora.r
     inputs = {"q_proj": ("attn_in", d.hidden), "k_proj": ("attn_in", d.hidden), "v_proj": ("attn_in", d.hidden),
@@ -226,7 +249,7 @@ def adapter_sum_bytes(stats: ModelStats, s: Setup) -> int:
     bf16 compute with fp32 adapters (our engine) they are fp32: twice the two b·s·i gradients the MLP backward
     holds, and the layer's peak (measured: the tiny-lora-cpu step on the simulated GPU peaks at up_proj's scaled
     copy in the last checkpointed unit's recompute). engine.mlp_chunk_tokens' LoraDelta makes none of them."""
-    if not s.lora or 0 < s.mlp_chunk < s.micro_batch * s.seq_len:
+    if not s.lora or 0 < s.mlp_chunk < s.micro_batch * s.local_seq:
         return 0
     d = stats.dims
     widths = {"q_proj": d.num_heads * d.head_dim, "k_proj": d.num_kv_heads * d.head_dim,
@@ -234,7 +257,7 @@ def adapter_sum_bytes(stats: ModelStats, s: Setup) -> int:
               "up_proj": d.intermediate, "down_proj": d.hidden}
     out = max((widths[t] for t in linear_targets(stats) if t in widths), default=0)
     a = _size(s.compute) if s.backend == "torch" else 4
-    return 2 * s.micro_batch * s.seq_len * out * a
+    return 2 * s.micro_batch * s.local_seq * out * a
 
 
 def linear_targets(stats: ModelStats) -> list[str]:
@@ -253,7 +276,7 @@ def chunked_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
     inputs are then views of the residual. One chunk's MLP set at a time
     (its recompute, then its backward): gate, up, act(gate), act·up (LoRA: act·up only as down's adapter input).
     Every adapter keeps its (b·s, r) fp32 lora_A output; no fp32 copy of any input."""
-    d, bs, c = stats.dims, s.micro_batch * s.seq_len, _size(s.compute)
+    d, bs, c = stats.dims, s.micro_batch * s.local_seq, _size(s.compute)
     C = s.mlp_chunk
     targets = set(linear_targets(stats)) if s.lora else set()
     attn_in = not s.lora or bool(targets & {"q_proj", "k_proj", "v_proj"})
@@ -328,7 +351,7 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
     rank's own grad_h (b·s·H) and the local rows' gradient (R·H) after it. Without chunking: the local logits of all
     gathered tokens and the all-to-all's output (each ~b·s·V), freed before the full-logits fp32 tensors peak."""
     d, c = stats.dims, _size(s.compute)
-    V, tokens = d.vocab, s.micro_batch * s.seq_len
+    V, tokens = d.vocab, s.micro_batch * s.local_seq
     if vocab_rows:
         W = s.shard_size
         full_fwd, full_bwd = loss_bytes(stats, s, head_trains)
@@ -340,7 +363,7 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
         grads = tokens * d.hidden * c + (vocab_rows * d.hidden * 4 if head_trains else 0)
         return C * vocab_rows * 4 + (C * vocab_rows * c if c != 4 else 0) + 2 * G * d.hidden * c + G * 8 + grads, grads
     if not s.loss_chunk:
-        rows = s.micro_batch * (s.seq_len - 1)
+        rows = s.micro_batch * (s.local_seq - 1)
         return tokens * V * c + 2 * rows * V * 4, 3 * rows * V * 4
     C = min(s.loss_chunk, tokens)
     grads = tokens * d.hidden * c + (V * d.hidden * 4 if head_trains else 0)
@@ -368,7 +391,7 @@ def offloaded_host_bytes(units: list[UnitLayout], s: Setup) -> int:
 
 def root_activation_bytes(stats: ModelStats, s: Setup) -> int:
     """Saved outside the units: final norm, rotary cos/sin (shared by all layers), input ids."""
-    d, bs = stats.dims, s.micro_batch * s.seq_len
+    d, bs = stats.dims, s.micro_batch * s.local_seq
     c = _size(s.compute)
     return bs * d.hidden * (4 + 2 * c) + 2 * bs * d.head_dim * c + bs * 8 + bs * 4
 
@@ -424,7 +447,7 @@ def step_facts(stats: ModelStats, s: Setup) -> StepFacts:
                           vocab_parallel=vp)
     *blocks, root = units
     aliased = W == 1 and not (s.offload and not s.device_is_cpu)
-    tokens = s.micro_batch * s.seq_len
+    tokens = s.micro_batch * s.local_seq
     tile_buf = 0
     if s.nf4 and s.lora and s.nf4_tile_bytes:
         tile_buf, dequant = nf4_tile_bytes(units, c, s.nf4_tile_bytes, tokens,

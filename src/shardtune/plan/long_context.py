@@ -47,9 +47,19 @@ def max_seq(plan: Plan) -> tuple[int, Plan | None]:
 MLP_CHUNK = 4096  # tokens per MLP chunk that --fit tries when the recipe sets none
 
 
-def long_context_options(setup) -> list[tuple[bool, int]]:
-    """--fit's long-context knobs for one candidate, as (offload_activations, mlp_chunk), cheapest first: the
-    recipe's chunking without offloading, then (with checkpointing) offloading, then offloading and the chunked MLP."""
+def long_context_options(setup, *, can_split: bool) -> list[tuple[bool, int, int]]:
+    """--fit's long-context knobs for one candidate, as (offload_activations, mlp_chunk, context_parallel), cheapest
+    first: the recipe's chunking without offloading, then (with checkpointing) offloading, then offloading and the
+    chunked MLP; last, when `can_split` (the recipe and model allow engine.context_parallel) and the candidate's shard
+    group has 2+ ranks, the most saving of those with the sequence split over the group (fewer rows per step per
+    rank: the caller keeps the global batch)."""
+    cp = setup.context_parallel
     if setup.checkpointing is False:
-        return [(False, setup.mlp_chunk)]
-    return [(False, setup.mlp_chunk), (True, setup.mlp_chunk), (True, setup.mlp_chunk or MLP_CHUNK)]
+        options = [(False, setup.mlp_chunk, cp)]
+    else:
+        options = [(False, setup.mlp_chunk, cp), (True, setup.mlp_chunk, cp),
+                   (True, setup.mlp_chunk or MLP_CHUNK, cp)]
+    n = setup.shard_size
+    if can_split and cp == 1 and n > 1 and setup.seq_len % n == 0:
+        options.append((*options[-1][:2], n))
+    return options

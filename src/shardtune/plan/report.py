@@ -36,7 +36,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                   f"{s.strategy}, {compute} compute, "
                   f"checkpointing={s.checkpointing}, offload={s.offload}, lora={s.lora}"
                   f"{' (nf4 base)' if s.nf4 and s.lora else ''}, "
-                  f"micro-batch {s.micro_batch} x seq {s.seq_len}")
+                  f"micro-batch {s.micro_batch} x seq {s.seq_len}"
+                  f"{f' (context parallel: {s.local_seq} tokens per rank)' if s.context_parallel > 1 else ''}")
     if plan.stats.recipe.train.objective == "dpo":
         console.print(dpo_line(plan.stats.recipe))
     if s.nf4 and s.lora:

@@ -45,16 +45,18 @@ DEFAULT_NF4_TILE = 64 << 20  # the schema's engine.nf4_tile_mb default
 def step_time(plan: Plan) -> dict[str, float]:
     s, d, hw = plan.setup, plan.stats.dims, plan.hardware
     e = plan.estimate
-    tokens = s.micro_batch * s.seq_len * s.grad_accum  # per rank per optimizer step
+    tokens = s.micro_batch * s.local_seq * s.grad_accum  # per rank per optimizer step
     n = plan.stats.num_params
     flops_tok = (4 * n + 6 * e.lora_params) if s.lora else 6 * n
     if s.checkpointing is not False:
         flops_tok += 2 * n
         if s.mlp_chunk:  # model/tiled_mlp.py: each chunk's MLP runs once more, in its own backward
             flops_tok += 2 * 3 * d.hidden * d.intermediate * d.num_layers
-    flops_tok += 6 * d.num_layers * s.seq_len * d.num_heads * d.head_dim
+    attention = 6 * d.num_layers * s.seq_len * d.num_heads * d.head_dim  # per token
     rate = hw.bf16_tflops * 1e12 * MFU * (1.0 if s.compute.itemsize == 2 else 0.25)
-    compute = flops_tok * tokens / rate
+    # engine.context_parallel: the last rank's queries attend to the whole row (model/context_parallel.py pads the
+    # queries before its part), so the step waits for the row's whole attention on that rank
+    compute = (flops_tok * tokens + attention * tokens * s.context_parallel) / rate
 
     W = s.shard_size
     per_node = max(1, s.world // s.nodes)
@@ -72,7 +74,7 @@ def step_time(plan: Plan) -> dict[str, float]:
         byts = frac * (gathers * ag * s.grad_accum + rs * reduces)
         if e.units and e.units[-1].vocab:  # vocab-parallel (engine/vocab.py): W·b·s·H moved 3x (4x: trainable embedding)
             moves = 3 + any(f.requires_grad for f in e.units[-1].vocab)
-            byts += frac * moves * W * s.micro_batch * s.seq_len * d.hidden * c * s.grad_accum
+            byts += frac * moves * W * s.micro_batch * s.local_seq * d.hidden * c * s.grad_accum
         comm = byts / (link * 1e9)
         if s.strategy == "hybrid_shard" and s.world > W:
             r = s.world // W
@@ -88,7 +90,7 @@ def step_time(plan: Plan) -> dict[str, float]:
     if s.offload_activations and s.checkpointing is not False and not s.device_is_cpu:
         # engine/offload_activations.py: each checkpointed unit's input D2H in forward and H2D in backward, on the
         # copy stream: hidden under compute (the step waits only for what PCIe cannot keep up with)
-        pcie = 2 * s.grad_accum * d.num_layers * s.micro_batch * s.seq_len * d.hidden * c / (hw.pcie_gbps * 1e9)
+        pcie = 2 * s.grad_accum * d.num_layers * s.micro_batch * s.local_seq * d.hidden * c / (hw.pcie_gbps * 1e9)
         compute = max(compute, pcie)
     nf4_weights = sum(math.prod(shape) for u in e.units for _, shape in u.quantized_weights)
     passes = 3 if s.checkpointing is not False else 2  # forward, backward (input grad), recompute
@@ -155,6 +157,11 @@ def advice(plan: Plan) -> list[str]:
         tries.append(("lora.quantize_base=nf4", variant(plan, nf4=True)))
     if s.strategy != "full_shard":
         tries.append(("engine.strategy=full_shard", variant(plan, strategy="full_shard")))
+    split = _split(s, s.shard_size, s) if s.context_parallel == 1 and s.shard_size > 1 and \
+        s.seq_len % s.shard_size == 0 and context_parallel_allowed(plan) else None
+    if split is not None:  # the same global batch: each rank's share of the rows grows with the split
+        tries.append((f"engine.context_parallel=true train.grad_accum={split.grad_accum} (same global batch)",
+                      variant(plan, context_parallel=split.context_parallel, grad_accum=split.grad_accum)))
     mb = s.micro_batch
     while mb > 1:
         mb //= 2
@@ -208,14 +215,36 @@ class Candidate:
             parts.append(f"engine.offload_activations={'true' if s.offload_activations else 'false'}")
         if s.mlp_chunk != e.mlp_chunk_tokens:
             parts.append(f"engine.mlp_chunk_tokens={s.mlp_chunk}")
+        if (s.context_parallel > 1) != e.context_parallel and (s.context_parallel > 1 or s.shard_size > 1):
+            parts.append(f"engine.context_parallel={'true' if s.context_parallel > 1 else 'false'}")
         return " ".join(parts)
+
+
+def context_parallel_allowed(plan: Plan) -> bool:
+    """Whether engine.context_parallel could run this recipe (config/schema.py and model/moe_checks.py refuse the
+    rest): our backend, SFT, sdpa attention, no sliding window."""
+    r = plan.recipe
+    return (r.engine.backend == "shardtune" and r.train.objective == "sft" and r.model.attn_implementation == "sdpa"
+            and plan.stats.dims.window is None)
+
+
+def _split(setup: Setup, cp: int, recipe_setup: Setup) -> Setup | None:
+    """`setup` with its rows split over `cp` ranks, at the recipe's global batch (the rows of a data-parallel rank
+    grow with cp); None when that batch does not divide into the candidate's micro-batches."""
+    rows = recipe_setup.micro_batch * recipe_setup.grad_accum * cp  # per data-parallel rank, x cp / recipe's cp
+    if rows % recipe_setup.context_parallel or (rows // recipe_setup.context_parallel) % setup.micro_batch:
+        return None
+    return dataclasses.replace(setup, context_parallel=cp,
+                               grad_accum=rows // recipe_setup.context_parallel // setup.micro_batch)
 
 
 def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
     """strategy x checkpointing x offload x micro-batch (x LoRA: bf16 or NF4 base) at the recipe's global batch;
     the ones that fit, fastest first."""
     s = plan.setup
+    # rows per step per data-parallel rank: the ranks of a context-parallel group share theirs
     per_rank_batch = s.micro_batch * s.grad_accum
+    can_split = context_parallel_allowed(plan)
     strategies = ["full_shard", "shard_grad_op", "no_shard"]
     if s.nodes > 1 or s.strategy == "hybrid_shard":
         strategies.append("hybrid_shard")
@@ -243,10 +272,16 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
         setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off, micro_batch=m,
                                     grad_accum=per_rank_batch // m, lora=lo, nf4=q, loss_chunk=chunk,
                                     nf4_tile_bytes=tile, backward_schedule=sched, vocab_parallel=vp,
-                                    shard_adapter_states=sa)
+                                    shard_adapter_states=sa, context_parallel=1)
+        # the recipe's engine.context_parallel splits over this candidate's shard group (one rank: no split)
+        setup = _split(setup, setup.shard_size if s.context_parallel > 1 else 1, s)
+        if setup is None:
+            continue
         # The long-context knobs (plan/long_context.py) only ever add time: tried, in that order, only until one fits
-        for offload_acts, mlp_chunk in long_context_options(setup):
-            setup = dataclasses.replace(setup, offload_activations=offload_acts, mlp_chunk=mlp_chunk)
+        for offload_acts, mlp_chunk, cp in long_context_options(setup, can_split=can_split):
+            setup = _split(dataclasses.replace(setup, offload_activations=offload_acts, mlp_chunk=mlp_chunk), cp, s)
+            if setup is None:
+                break
             p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
             if p.fits:
                 out.append(Candidate(p, step_time(p)))

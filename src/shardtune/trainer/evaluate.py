@@ -14,6 +14,7 @@ from shardtune.accelerator import to_device
 from shardtune.data.batches import RowSource, num_targets
 from shardtune.data.packing import doc_lengths
 from shardtune.engine.loss import token_loss_sum
+from shardtune.model import context_parallel
 from shardtune.trainer.decode import greedy_decode
 from shardtune.trainer.runtime import Runtime
 
@@ -32,9 +33,11 @@ def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_siz
     # the target count is the host labels'.
     loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
     count = 0.0
-    chunk = micro_batch_size * rt.world_size
+    rank, world = context_parallel.data_rank(rt.rank, rt.world_size)  # engine.context_parallel: a group, one row
+    counts = context_parallel.counts_rows()  # its ranks each sum their part of the loss; one counts the targets
+    chunk = micro_batch_size * world
     for start in range(0, n, chunk):
-        idx = torch.arange(start + rt.rank * micro_batch_size, start + (rt.rank + 1) * micro_batch_size)
+        idx = torch.arange(start + rank * micro_batch_size, start + (rank + 1) * micro_batch_size)
         idx = idx[idx < n]
         weight = 1.0 if len(idx) else 0.0
         if not len(idx):
@@ -43,7 +46,7 @@ def eval_loss(model: nn.Module, rows: RowSource, rt: Runtime, *, micro_batch_siz
         ids, labels, pos = (to_device(torch.from_numpy(x), rt.device) for x in host)
         s = token_loss_sum(model, ids, labels, pos, chunk_tokens=loss_chunk_tokens, doc_lengths=doc_lengths(host[2]))
         loss_sum = loss_sum + weight * s.detach().double()
-        count += weight * num_targets(host[1])
+        count += weight * num_targets(host[1]) * counts
     model.train(was_training)
     sums = torch.stack([loss_sum, torch.full((), count, dtype=torch.float64, device=rt.device)])
     dist.all_reduce(sums)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,10 +23,12 @@ from shardtune.config.dtypes import DTYPES
 from shardtune.config.schema import Recipe
 from shardtune.engine.api import ShardedModel, ShardingPolicy
 from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.collectives import GatherSequence
 from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import find_units, resolve_unit_classes
 from shardtune.errors import UserError
 from shardtune.hub import WEIGHTS, model_dir
+from shardtune.model import context_parallel
 from shardtune.model.build import config_source
 from shardtune.model.loading import CheckpointFiles, check_checkpoint_shapes, load_into_shards
 from shardtune.model.lora import apply_lora
@@ -50,6 +53,7 @@ def sharding_policy(recipe: Recipe, model: nn.Module, *, world_size: int,
 def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world_size: int) -> ShardedModel:
     engine = recipe.engine
     # 1. LoRA first: it replaces Linear modules and freezes the base, so units and frozen flags see the final tree.
+    context_parallel.disable()  # set again below when the recipe asks (a process may build several models)
     problems = moe_problems(recipe, model)
     if problems:
         raise UserError(problems[0])
@@ -129,11 +133,18 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     from shardtune.engine import shard
 
     sharded = shard.shard_model(model, policy, device=device)
+    enable_context_parallel(sharded, on=engine.context_parallel)
     if pretrained is not None:
         load_into_shards([f for u in sharded.units for f in u.flats], sharded.module, pretrained)
     elif random_meta:
         init_into_shards(sharded.units, sharded.module, seed=recipe.train.seed, dtype=init_dtype, device=device)
     return sharded
+
+
+def enable_context_parallel(sharded: Any, *, on: bool) -> None:
+    """engine.context_parallel: sequences split over the engine's shard group (model/context_parallel.py)."""
+    group = sharded.ctx.shard_group if on else None
+    context_parallel.enable(group, lambda t: GatherSequence.apply(t, group, sharded.ctx.counter))
 
 
 def materialize_adapters(model: nn.Module, *, seed: int) -> None:

@@ -22,6 +22,7 @@ from shardtune.data import GlobalBatches, TokenizedData
 from shardtune.data.ranks import prepare_for_ranks
 from shardtune.engine.api import ShardedModel
 from shardtune.hub import fetch_for_ranks, is_hub_id
+from shardtune.model import context_parallel
 from shardtune.model.build import build_model, build_tokenizer, check_vocab, load_config
 from shardtune.trainer.evaluate import demo_samples, exact_match
 from shardtune.trainer.export import param_shapes, save_final, write_export_info
@@ -129,7 +130,7 @@ def setup(recipe: Recipe, *, simulated: bool = False) -> Run:
     sharded = parallelize(model, recipe, device=rt.device, world_size=rt.world_size)
     optimizer = build_optimizer(sharded, cfg)
     objective = build_objective(recipe, data)
-    batches = objective.batches(world_size=rt.world_size)
+    batches = objective.batches(world_size=context_parallel.data_rank(rt.rank, rt.world_size)[1])
     max_steps = steps_for(cfg, num_rows=len(batches.rows), global_size=batches.global_size, announce=rt.is_main)
     scheduler = build_scheduler(cfg.schedule, optimizer, warmup_steps=cfg.warmup_steps, total_steps=max_steps)
     run_dir = Path(cfg.output_dir)
@@ -227,7 +228,7 @@ def device_batches(run: Run, step: int) -> tuple[list[Any], int]:
         _, micro, norm = run.prefetched
         run.prefetched = None
         return micro, norm
-    micro, norm = run.batches.step(step, run.rt.rank)
+    micro, norm = run.batches.step(step, context_parallel.data_rank(run.rt.rank, run.rt.world_size)[0])
     return [mb.to(run.rt.device) for mb in micro], norm
 
 
