@@ -1,5 +1,6 @@
 """bench/RESULTS.md's "longest sequence that fits" table in one process (the loop over `shardtune plan --max-seq`,
-before: each hardware recipe as shipped; after: with checkpointing, offloaded activations and 4,096-token chunks).
+before: each hardware recipe as shipped; after: with checkpointing, offloaded activations and 4,096-token chunks;
+then the same with engine.context_parallel where the recipe's shard group has 2+ ranks and allows it).
 
   PYTHONPATH=src python bench/max_seq_table.py
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardtune.errors import UserError
 from shardtune.plan.hardware import GiB
 from shardtune.plan.long_context import max_seq
 from shardtune.plan.planner import make_plan
@@ -15,7 +17,13 @@ AFTER = ["engine.activation_checkpointing=true", "engine.offload_activations=tru
 
 
 def cell(recipe: str, overrides: list[str]) -> str:
-    n, plan = max_seq(make_plan(recipe, overrides))
+    try:
+        start = make_plan(recipe, overrides)
+    except UserError as e:
+        return f"refused ({str(e).split(':')[0]})"
+    if "engine.context_parallel=true" in overrides and start.setup.context_parallel == 1:
+        return "n/a (shard group of one)"
+    n, plan = max_seq(start)
     if plan is None:
         return "none"
     e = plan.estimate
@@ -23,10 +31,12 @@ def cell(recipe: str, overrides: list[str]) -> str:
 
 
 def main() -> None:
-    print("| recipe | before: tokens (device GiB, host GiB/rank) | after: tokens (device GiB, host GiB/rank) |")
-    print("|---|---|---|")
+    print("| recipe | before: tokens (device GiB, host GiB/rank) | after: tokens (device GiB, host GiB/rank) | "
+          "after + context parallel |")
+    print("|---|---|---|---|")
     for path in sorted(Path("recipes/hardware").glob("*.yaml")):
-        print(f"| {path.stem} | {cell(str(path), [])} | {cell(str(path), AFTER)} |", flush=True)
+        print(f"| {path.stem} | {cell(str(path), [])} | {cell(str(path), AFTER)} | "
+              f"{cell(str(path), [*AFTER, 'engine.context_parallel=true'])} |", flush=True)
 
 
 if __name__ == "__main__":

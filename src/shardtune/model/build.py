@@ -20,6 +20,7 @@ from shardtune.data.char_tokenizer import build_char_tokenizer
 from shardtune.errors import UserError
 from shardtune.hub import CONFIG, TOKENIZER, is_hub_id, model_dir
 from shardtune.model.attention import attn_implementation
+from shardtune.model.experts import expert_modules, use_grouped_experts
 from shardtune.model.loading import build_empty, no_weights, weight_files
 from shardtune.model.seeded_init import init_full
 from shardtune.templates import resolve_chat_template
@@ -66,6 +67,10 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
         raise UserError(no_weights(cfg.path))
     model = build_empty(lambda: from_config(cfg, hf_config, dtype=dtype,
                                             attn=attn_implementation(cfg.attn_implementation)))
+    if expert_modules(model):
+        # Our grouped experts (model/experts.py) for every MoE run, not only LoRA on experts: transformers' own
+        # calls torch's grouped kernel in any dtype, and on CUDA that kernel takes bf16 only (an fp32 run crashed)
+        use_grouped_experts(model)
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)

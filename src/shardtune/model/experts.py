@@ -113,7 +113,10 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
-    y = torch.zeros_like(y).index_copy(0, perm, y)  # back to token-major order: (tokens, k, hidden)
+    # back to token-major order (tokens, k, hidden) by a gather: no zero-filled (S, hidden) buffer in forward
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    y = y[inverse]
     return y.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 

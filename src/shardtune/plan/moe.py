@@ -51,6 +51,6 @@ def unpermute_bytes(moe: MoeDims, hidden: int, tokens: int, c: int) -> int:
     backward: 3 x top_k rows of hidden per token. Its backward holds the gradient of the (tokens, top_k, hidden)
     output copied out of its broadcast, that gradient un-permuted, and the two products of the routing weights'
     backward. A checkpointed layer is recomputed once that first gradient exists (the un-permute's saved index is
-    needed), and the replay holds the rows times their routing weights and the zeros they are scattered into. A
+    needed), and the replay holds the rows times their routing weights and their copy gathered back to token order. A
     dense MLP's backward (2 x b·s·i) is the larger transient only for narrow routing."""
     return 3 * tokens * moe.top_k * hidden * c
