@@ -89,6 +89,25 @@ def test_another_world_scales_grad_accum(run_dir):
     assert cfg.train.grad_accum == 1  # the caller's config is left alone
 
 
+def test_context_parallel_keeps_the_global_batch_of_its_checkpoint(run_dir, tmp_path):
+    """engine.context_parallel: the 2 workers share their rows (a global batch of micro x accum x 1), so switching
+    it on for a run of 2 data-parallel workers doubles train.grad_accum, and a checkpoint of a context-parallel
+    run resumes on one worker with its accumulation."""
+    from shardtune.checkpoint.resume_check import check_resume
+
+    cfg = load_recipe_config("tiny-cpu", [*BASE, f"train.output_dir={run_dir}", "engine.context_parallel=true"])
+    assert fingerprint(to_recipe(cfg), 2)["global_batch"] == 8
+    assert check_resume(cfg, to_recipe(cfg), 2).train.grad_accum == 2
+    split = tmp_path / "split"
+    cfg = load_recipe_config("tiny-cpu", [*BASE, f"train.output_dir={split}", "engine.context_parallel=true"])
+    ckpt = split / "checkpoints" / "step_6"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 6, "fingerprint": fingerprint(to_recipe(cfg), 2)}))
+    one = load_recipe_config("tiny-cpu", [*BASE, f"train.output_dir={split}", "engine.context_parallel=true",
+                                          "launch.nproc_per_node=1"])
+    assert check_resume(one, to_recipe(one), 1).train.grad_accum == 1
+
+
 def test_dpo_settings_are_part_of_the_objective():
     from shardtune.checkpoint.resume_check import DATA, _changes
 

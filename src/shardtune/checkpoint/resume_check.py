@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from shardtune.checkpoint.paths import TRAINER_FILE, explicit_resume_dir, newest_complete
-from shardtune.config.schema import Recipe
+from shardtune.config.schema import Recipe, data_parallel_size
 from shardtune.disk import disk_full, no_space_line, write_text_atomic
 from shardtune.errors import UserError
 from shardtune.hub import model_dir
@@ -82,8 +82,13 @@ def fingerprint(recipe: Recipe, world_size: int) -> dict[str, Any]:
             else None, "data.eval_fraction": d.eval_fraction,
             "model.chat_template": m.chat_template, "train.seed": t.seed, "train.objective": t.objective,
             **_objective(recipe),
-            "global_batch": t.micro_batch_size * t.grad_accum * world_size,
+            "global_batch": t.micro_batch_size * t.grad_accum * _data_parallel(recipe, world_size),
             "world_size": world_size, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum}
+
+
+def _data_parallel(recipe: Recipe, world_size: int) -> int:
+    """The ranks reading different rows (engine.context_parallel: one per shard group; config/schema.py)."""
+    return data_parallel_size(recipe, world_size, max(1, world_size // max(1, recipe.launch.nnodes)))
 
 
 def resume_checkpoint(recipe: Recipe) -> Path | None:
@@ -161,10 +166,11 @@ def _keep_global_batch(cfg: DictConfig, recipe: Recipe, old: dict, world_size: i
                        where: str) -> DictConfig:
     t = recipe.train
     same_split = (t.micro_batch_size, t.grad_accum) == (old["micro_batch_size"], old["grad_accum"])
-    if world_size == old["world_size"] or not same_split:
-        return cfg  # an explicit new split: a different global batch is then a data change (checked after)
     target = old["global_batch"]
-    per_step = t.micro_batch_size * world_size
+    data_parallel = _data_parallel(recipe, world_size)  # another world size, or engine.context_parallel switched
+    per_step = t.micro_batch_size * data_parallel
+    if per_step * t.grad_accum == target or not same_split:
+        return cfg  # an explicit new split: a different global batch is then a data change (checked after)
     if target % per_step == 0:
         accum = target // per_step
         if recipe.launch.is_first_node():  # every node's launcher scales it alike; the job log says it once
@@ -173,8 +179,8 @@ def _keep_global_batch(cfg: DictConfig, recipe: Recipe, old: dict, world_size: i
         cfg = cfg.copy()
         OmegaConf.update(cfg, "train.grad_accum", accum)
         return cfg
-    splits = [f"train.micro_batch_size={m} train.grad_accum={target // (m * world_size)}"
-              for m in range(1, target + 1) if target % (m * world_size) == 0]
+    splits = [f"train.micro_batch_size={m} train.grad_accum={target // (m * data_parallel)}"
+              for m in range(1, target + 1) if target % (m * data_parallel) == 0]
     fix = (f"use {' or '.join(splits[-3:])}" if splits else
            f"use a number of workers that divides {target} (launch.nproc_per_node x launch.nnodes)")
     raise UserError(f"{where}: its global batch of {target} (micro-batch {old['micro_batch_size']} x world "

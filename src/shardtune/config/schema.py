@@ -156,17 +156,30 @@ def _first_non_finite(value: Any, key: str) -> tuple[str, float] | None:
     return None
 
 
+def shard_group_size(recipe: Recipe, world_size: int, local_world_size: int | None = None) -> int:
+    """Ranks in each shard group: the world; hybrid_shard's size (default: the ranks of a node); 1 for no_shard."""
+    engine = recipe.engine
+    if engine.strategy == "hybrid_shard":
+        return engine.hybrid_shard_size or local_world_size or world_size
+    return 1 if engine.strategy == "no_shard" else world_size
+
+
+def data_parallel_size(recipe: Recipe, world_size: int, local_world_size: int | None = None) -> int:
+    """Ranks that read different rows: the world, or its shard groups under engine.context_parallel (the ranks of
+    a group share their rows). The global batch is micro_batch_size x grad_accum x this."""
+    if not recipe.engine.context_parallel:
+        return world_size
+    return max(1, world_size // max(1, shard_group_size(recipe, world_size, local_world_size)))
+
+
 def check_world(recipe: Recipe, world_size: int, local_world_size: int | None = None) -> None:
     """Sharding that cannot work on this world size is a user error, found before any model is built."""
     engine = recipe.engine
-    shard = world_size
+    shard = shard_group_size(recipe, world_size, local_world_size)
     if engine.strategy == "hybrid_shard":
-        shard = engine.hybrid_shard_size or local_world_size or world_size
         if shard > world_size or world_size % shard:
             raise UserError(f"engine.hybrid_shard_size={shard} does not divide the world size {world_size}: "
                             f"pick a divisor of {world_size}")
-    elif engine.strategy == "no_shard":
-        shard = 1
     if engine.context_parallel:
         _check_context_parallel(recipe, shard, world_size)
     if shard == 1 and engine.backend == "torch" and recipe.lora.enabled and recipe.lora.quantize_base == "nf4":
@@ -249,6 +262,7 @@ class TrainConfig:
     output_dir: str = "runs/run"  # the run directory (metrics, checkpoints, final model)
     micro_batch_size: int = 1  # samples per rank per forward pass
     grad_accum: int = 1  # micro-steps per optimizer step; global batch = micro_batch_size * world * grad_accum
+    #   (engine.context_parallel: world / the shard group's size instead of world)
     max_steps: int | None = None  # optimizer steps (null with train.epochs; 100 when neither is set)
     epochs: float | None = None  # passes over the training rows instead of max_steps (exactly one of the two)
     lr: float = 2e-4  # peak learning rate (AdamW), reached after warmup_steps
