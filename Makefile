@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
 # Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once).
-# 1,191 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine, otherwise idle (2026-11-29). Three workers fill the waits of the CLI, torchrun and
+# 1,208 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine, otherwise idle (2026-11-29). Three workers fill the waits of the CLI, torchrun and
 # SLURM files (those files alone: 72 % -> 95 % busy), but the whole suite is CPU-bound: a fresh clone through
 # .ci/run with three read 96 % busy and took 1,185 s.
 test: $(STAMP)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardtune.config.schema import Recipe
+from shardtune.config.schema import Recipe, shard_group_size
 from shardtune.engine.api import splits_vocab
 from shardtune.engine.layout import UnitLayout
 from shardtune.model.attention import WINDOW_BLOCK
@@ -136,11 +136,9 @@ class Setup:
 
 def context_parallel_size(r: Recipe, world: int, nodes: int) -> int:
     """The ranks that split each row (engine.context_parallel: the shard group, on our backend), else 1."""
-    if not r.engine.context_parallel or r.engine.backend != "shardtune" or r.engine.strategy == "no_shard":
+    if not r.engine.context_parallel or r.engine.backend != "shardtune":
         return 1
-    if r.engine.strategy == "hybrid_shard":
-        return r.engine.hybrid_shard_size or max(1, world // nodes)
-    return world
+    return shard_group_size(r, world, max(1, world // nodes))
 
 
 def rows_per_forward(r: Recipe) -> int:
