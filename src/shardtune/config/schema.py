@@ -189,17 +189,24 @@ def check_world(recipe: Recipe, world_size: int, local_world_size: int | None = 
                         f"engine.strategy={engine.strategy}): use engine.backend=shardtune, or full_shard on 2+ GPUs")
 
 
-def _check_context_parallel(recipe: Recipe, shard: int, world_size: int) -> None:
-    """engine.context_parallel splits sequences over the shard group (model/context_parallel.py)."""
-    engine = recipe.engine
+def context_parallel_refusal(recipe: Recipe) -> str | None:
+    """What keeps engine.context_parallel from running this recipe's settings (the model's own: model/moe_checks.py),
+    or None."""
     why = ("engine.backend=torch (FSDP2 here has no sequence split): use engine.backend=shardtune"
-           if engine.backend == "torch" else
+           if recipe.engine.backend == "torch" else
            "train.objective=dpo (a pair's log-probabilities are summed over the whole row): use train.objective=sft"
            if recipe.train.objective == "dpo" else
            f"model.attn_implementation={recipe.model.attn_implementation} (the split attention is sdpa's): use sdpa"
            if recipe.model.attn_implementation != "sdpa" else None)
-    if why:
-        raise UserError(f"engine.context_parallel=true does not run with {why}, or set engine.context_parallel=false")
+    return why and f"engine.context_parallel=true does not run with {why}, or set engine.context_parallel=false"
+
+
+def _check_context_parallel(recipe: Recipe, shard: int, world_size: int) -> None:
+    """engine.context_parallel splits sequences over the shard group (model/context_parallel.py)."""
+    engine = recipe.engine
+    refusal = context_parallel_refusal(recipe)
+    if refusal:
+        raise UserError(refusal)
     if shard == 1:
         warnings.warn(f"engine.context_parallel=true is ignored: the shard group has one rank ({world_size} rank(s), "
                       f"engine.strategy={engine.strategy}); each rank runs whole sequences", stacklevel=3)

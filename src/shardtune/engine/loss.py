@@ -44,10 +44,13 @@ def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                ignore_index=IGNORE, reduction="sum")
-    # Targets shifted by one; the last position of each row has none. Shifting the targets, not the hidden states,
-    # avoids a copy of b*s*H.
-    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1).flatten()
-    return _fused_loss(model, input_ids, position_ids, targets, chunk_tokens, extra)
+    return _fused_loss(model, input_ids, position_ids, _targets(labels).flatten(), chunk_tokens, extra)
+
+
+def _targets(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's next token: the labels shifted by one, the last position of each row without one. Shifting
+    the targets, not the hidden states, avoids a copy of b*s*H."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
 
 
 def _context_parallel_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -55,9 +58,8 @@ def _context_parallel_loss(model: nn.Module, input_ids: torch.Tensor, labels: to
     """engine.context_parallel (model/context_parallel.py): the loss summed over this rank's tokens of each row, whose
     targets are shifted over the whole row first (a rank's last token's target is the next rank's first token)."""
     b, s = input_ids.shape
-    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
     a, z = context_parallel.bounds(s)
-    ids, pos, targets = (t[:, a:z].contiguous() for t in (input_ids, position_ids.expand(b, -1), targets))
+    ids, pos, targets = (t[:, a:z].contiguous() for t in (input_ids, position_ids.expand(b, -1), _targets(labels)))
     context_parallel.set_rows(a, z, doc_lengths or [[s]] * b)
     if chunk_tokens > 0 and supports_chunked_loss(model):
         return _fused_loss(model, ids, pos, targets.flatten(), chunk_tokens, {})

@@ -123,6 +123,16 @@ class _Band:
         return torch.cat(parts, dim=2)
 
 
+def sliding_window(config: Any) -> int | None:
+    """The window transformers gives the attention of some layer: `sliding_window`, unless the config switches it
+    off (Qwen2's use_sliding_window) or names every layer full attention (layer_types)."""
+    w = getattr(config, "sliding_window", None)
+    if not w or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    return None if types is not None and "sliding_attention" not in types else int(w)
+
+
 def register() -> str:
     """Register the attention with transformers (idempotent); returns the name to build models with. No mask
     function: transformers then prepares no mask (model/attention_mask.py says why)."""

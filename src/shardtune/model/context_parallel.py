@@ -16,7 +16,7 @@ A rank's queries [a, b) see the keys [0, b) of their own documents, causally. SD
 at the top left, so for each document a query piece that starts inside it is preceded by zero queries, one per key of
 the document before the piece; their output rows are dropped. One causal SDPA call per document piece, exact, no
 mask. Cost: attention is not balanced over the ranks (the last rank's queries see the whole row); a zigzag order of
-the sequence would balance it, and is not done. Sliding-window layers are refused (`model_problem`).
+the sequence would balance it, and is not done. Sliding-window layers are refused (model/moe_checks.py).
 """
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ class _Group:
 
 @dataclass
 class _Rows:
-    """The rows of the forward running now: this rank's tokens [start, stop) of rows whose documents are `docs`."""
+    """The rows of the forward running now: this rank's tokens [start, stop), and per row its keys and queries cut
+    at the document boundaries (`_pieces`, once per forward for every layer)."""
     start: int
     stop: int
-    docs: Sequence[Sequence[int]]  # each row's document lengths, over the whole row
+    pieces: list[tuple[list[int], list[int], list[int | None]]]
 
 
 _GROUP: list[_Group] = []  # set by `enable` (the trainer), at most one
@@ -88,23 +89,12 @@ def bounds(seq_len: int) -> tuple[int, int]:
 def set_rows(start: int, stop: int, docs: Sequence[Sequence[int]]) -> None:
     """The rows of the forward about to run. They stay set after it: activation checkpointing recomputes the units
     in backward, whose attention must split the same rows; the next training or eval forward replaces them."""
-    _ROWS[:] = [_Rows(start, stop, docs)]
+    _ROWS[:] = [_Rows(start, stop, [_pieces(row, start, stop) for row in docs])]
 
 
 def active() -> bool:
     """Rows are split over a group (the attention gathers keys and values)."""
     return bool(_ROWS) and bool(_GROUP)
-
-
-def model_problem(config: Any) -> str | None:
-    """Why a model cannot split its sequence, or None."""
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) is not False:
-        return (f"engine.context_parallel: {getattr(config, 'model_type', 'this model')} has sliding-window "
-                f"attention (window {window}), which context parallelism does not split; set "
-                "engine.context_parallel=false (engine.offload_activations and engine.mlp_chunk_tokens cut long-"
-                "context memory on one rank)")
-    return None
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sdpa: Any) -> torch.Tensor:
@@ -115,8 +105,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sdpa:
     assert query.shape[2] == z - a and key.shape[2] == z - a, "a forward over this rank's part of the rows"
     keys, values = (g.gather(t)[:, :, :z] for t in (key, value))  # [b, kv_heads, z, d]
     out = []
-    for docs, q_row, k_row, v_row in zip(r.docs, query.split(1), keys.split(1), values.split(1), strict=True):
-        q_cuts, k_cuts, firsts = _pieces(docs, a, z)
+    for (q_cuts, k_cuts, firsts), q_row, k_row, v_row in zip(r.pieces, query.split(1), keys.split(1),
+                                                             values.split(1), strict=True):
         parts = []
         qs = q_row.split(q_cuts, dim=2)
         for k, v, first in zip(k_row.split(k_cuts, dim=2), v_row.split(k_cuts, dim=2), firsts, strict=True):

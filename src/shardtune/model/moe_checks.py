@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from shardtune.model import context_parallel
+from shardtune.model.attention import sliding_window
 from shardtune.model.experts import EXPERTS_TARGET, expert_modules, expert_weights
 
 AUTO = "auto"
@@ -64,7 +64,12 @@ def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
     """The settings this model cannot take, one line each: unmatched LoRA targets, what experts do not support, a
     sliding window under engine.context_parallel."""
     lora, coef = recipe.lora, recipe.train.router_aux_loss_coef
-    problems = [p for p in [context_parallel.model_problem(model.config)] if p and recipe.engine.context_parallel]
+    problems = []
+    window = sliding_window(model.config) if recipe.engine.context_parallel else None
+    if window:
+        problems.append(f"engine.context_parallel: {model.config.model_type} has sliding-window attention (window "
+                        f"{window}), which context parallelism does not split; set engine.context_parallel=false "
+                        "(engine.offload_activations and engine.mlp_chunk_tokens cut long-context memory on one rank)")
     if coef and not expert_modules(model):
         problems.append(f"train.router_aux_loss_coef={coef}: the model has no experts (no router to balance); set 0")
     elif coef and recipe.train.objective != "sft":

@@ -198,7 +198,7 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     else:
         norms = 2 * bs * d.hidden * (4 + 2 * c)  # fp32: in/normed/out; bf16: fp32 upcast + normed + out
         mlp = 4 * bs * d.intermediate * c
-    lse = b * d.num_heads * (s.seq_len if s.context_parallel > 1 else n) * 4  # SDPA's log-sum-exp, per query
+    lse = b * d.num_heads * s.seq_len * 4  # SDPA's log-sum-exp, per query (the last rank's: the whole row)
     extra = (b * n * n * c if mask else 0) + lse + 2 * bs * 4
     if band:
         block = min(d.window, WINDOW_BLOCK)

@@ -30,6 +30,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from shardtune.config.schema import context_parallel_refusal
 from shardtune.plan.estimate import Setup, estimate
 from shardtune.plan.hardware import GiB
 from shardtune.plan.long_context import long_context_options
@@ -221,11 +222,9 @@ class Candidate:
 
 
 def context_parallel_allowed(plan: Plan) -> bool:
-    """Whether engine.context_parallel could run this recipe (config/schema.py and model/moe_checks.py refuse the
-    rest): our backend, SFT, sdpa attention, no sliding window."""
-    r = plan.recipe
-    return (r.engine.backend == "shardtune" and r.train.objective == "sft" and r.model.attn_implementation == "sdpa"
-            and plan.stats.dims.window is None)
+    """Whether engine.context_parallel could run this recipe: what config/schema.py and model/moe_checks.py (the
+    sliding window) refuse."""
+    return context_parallel_refusal(plan.recipe) is None and plan.stats.dims.window is None
 
 
 def _split(setup: Setup, cp: int, recipe_setup: Setup) -> Setup | None:

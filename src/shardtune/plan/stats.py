@@ -17,6 +17,7 @@ from shardtune.config.schema import ModelConfig, Recipe
 from shardtune.engine.api import MixedPrecision, ShardingPolicy
 from shardtune.engine.layout import UnitLayout, unit_layouts
 from shardtune.engine.wrap import resolve_unit_classes
+from shardtune.model.attention import sliding_window
 from shardtune.plan import skeleton
 from shardtune.plan.moe import MoeDims
 
@@ -43,7 +44,7 @@ class Dims:
         return cls(hidden=c.hidden_size, intermediate=inter, num_layers=c.num_hidden_layers,
                    num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size, moe=moe,
-                   window=_sliding_window(c))
+                   window=sliding_window(c))
 
     @property
     def mlp_weight_numel(self) -> int:
@@ -51,16 +52,6 @@ class Dims:
         if self.moe:
             return self.moe.num_experts * self.hidden * self.moe.intermediate
         return self.hidden * self.intermediate
-
-
-def _sliding_window(c) -> int | None:
-    """The window transformers gives the attention of some layer: `sliding_window`, unless the config switches it
-    off (Qwen2's use_sliding_window) or names every layer full attention (layer_types)."""
-    w = getattr(c, "sliding_window", None)
-    if not w or getattr(c, "use_sliding_window", True) is False:
-        return None
-    types = getattr(c, "layer_types", None)
-    return None if types is not None and "sliding_attention" not in types else int(w)
 
 
 def build_meta_model(cfg: ModelConfig) -> tuple[nn.Module, Dims]:
