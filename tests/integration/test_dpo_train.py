@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.integration import forked
-from tests.integration.runs import cli, metrics
+from tests.integration.runs import forked_cli, metrics
 
 DPO_KEYS = {"dpo_loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"}
 
@@ -32,7 +32,7 @@ def test_tiny_dpo_cpu_learns_preferences(tmp_path):
            f"{final['eval_reward_accuracy']:.1%} after" in proc.out
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     # export: the last checkpoint (saved at the final step) consolidates into an HF model that loads
-    out = cli("export", str(run / "checkpoints"), str(tmp_path / "hf"), cwd=tmp_path)
+    out = forked_cli("export", str(run / "checkpoints"), str(tmp_path / "hf"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -11,7 +11,7 @@ from shardtune.config.load import load_recipe
 from shardtune.data import build_data
 from shardtune.model.build import build_tokenizer
 from tests.integration import forked
-from tests.integration.runs import SHARDTUNE, cli, summary
+from tests.integration.runs import SHARDTUNE, cli, forked_cli, summary
 
 SAMPLES = 24
 
@@ -40,7 +40,7 @@ def held_out(run: Path) -> list[dict]:
 def answers(run_dir) -> list[str]:
     """`generate` on final/ with every held-out prompt, greedy (one process)."""
     prompts = [arg for r in held_out(run_dir) for arg in ("--prompt", r["prompt"])]
-    proc = cli("generate", str(run_dir / "final"), *prompts, "--max-new-tokens", "8", cwd=run_dir)
+    proc = forked_cli("generate", str(run_dir / "final"), *prompts, "--max-new-tokens", "8", cwd=run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.splitlines()
 
@@ -53,7 +53,7 @@ def test_generate_reverses_held_out_strings_as_the_run_measured(run_dir, answers
     reversed_ = next(r for a, r in zip(answers, rows) if a == r["response"])
     assert reversed_["response"] == reversed_["prompt"].removeprefix("reverse ").removesuffix("=")[::-1]
     # Sampling is seeded per prompt: the same prompt twice gives the same sample.
-    proc = cli("generate", str(run_dir / "final"), "--prompt", rows[0]["prompt"], "--prompt", rows[0]["prompt"],
+    proc = forked_cli("generate", str(run_dir / "final"), "--prompt", rows[0]["prompt"], "--prompt", rows[0]["prompt"],
                "--temperature", "1.5", "--top-p", "0.9", "--seed", "3", cwd=run_dir)
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, again = proc.stdout.splitlines()
@@ -88,7 +88,7 @@ def test_generate_asks_a_foreign_folder_through_its_chat_template(tmp_path):
     tok = write_checkpoint(folder)
     tok.chat_template = CHAT_TEMPLATES["chatml"]
     tok.save_pretrained(folder)
-    proc = cli("generate", str(folder), "--prompt", "reverse hello=", "--system", "answer briefly",
+    proc = forked_cli("generate", str(folder), "--prompt", "reverse hello=", "--system", "answer briefly",
                "--max-new-tokens", "12", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from shardtune.config.load import load_recipe
 from shardtune.model.build import build_model
 from tests.integration import forked
-from tests.integration.runs import FAST, cli, losses
+from tests.integration.runs import FAST, cli, forked_cli, losses
 
 
 def overrides(run_dir: Path, *extra: str) -> list[str]:
@@ -63,7 +63,7 @@ def test_lora_resume_is_exact(reference, tmp_path):
 
 def test_lora_export_and_final_are_peft_adapters(reference, tmp_path):
     out = tmp_path / "export"
-    proc = cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
+    proc = forked_cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for folder in (out, reference / "final"):
         assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
@@ -92,7 +92,7 @@ def test_lora_over_pretrained_checkpoint_loads_sharded(tmp_path):
         tuned = PeftModel.from_pretrained(base, str(run_dir / "final")).eval()(input_ids=ids).logits
     assert torch.isfinite(tuned).all() and all(math.isfinite(v) for v in losses(run_dir).values())
     # --merge over a pretrained base streams its weights from the base's files (several, with an index)
-    proc = cli("export", str(run_dir / "checkpoints"), str(tmp_path / "merged"), "--merge", cwd=tmp_path)
+    proc = forked_cli("export", str(run_dir / "checkpoints"), str(tmp_path / "merged"), "--merge", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
@@ -100,7 +100,7 @@ def test_lora_over_pretrained_checkpoint_loads_sharded(tmp_path):
     # the adapter names its real base (the folder it was trained over), and --merge takes the run's final/ too
     adapter_config = json.loads((run_dir / "final" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(tmp_path / "pre")
-    proc = cli("export", str(run_dir / "final"), str(tmp_path / "merged-final"), "--merge", cwd=tmp_path)
+    proc = forked_cli("export", str(run_dir / "final"), str(tmp_path / "merged-final"), "--merge", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with torch.no_grad():
         from_final = AutoModelForCausalLM.from_pretrained(tmp_path / "merged-final").eval()(input_ids=ids).logits
@@ -111,7 +111,7 @@ def test_export_merge_is_base_plus_adapter(reference, tmp_path):
     """--merge: full HF safetensors (split in files here, to test the streaming writer's index) that load with
     from_pretrained alone and give the logits of the base with the adapter applied."""
     out = tmp_path / "merged"
-    proc = cli("export", str(reference / "checkpoints"), str(out), "--merge", "--max-shard-size-mb", "1", cwd=tmp_path)
+    proc = forked_cli("export", str(reference / "checkpoints"), str(out), "--merge", "--max-shard-size-mb", "1", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "generation_config.json").is_file() and (out / "model.safetensors.index.json").is_file()
     assert not (out / "adapter_config.json").exists()
@@ -159,7 +159,7 @@ def test_generate_on_an_adapter_and_a_checkpoint(reference, tmp_path):
         expected.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     assert any(expected), expected  # something to compare
     for target in (reference / "final", reference / "checkpoints" / "step_6"):
-        proc = cli("generate", str(target), *(a for p in prompts for a in ("--prompt", p)), "--max-new-tokens", "6",
+        proc = forked_cli("generate", str(target), *(a for p in prompts for a in ("--prompt", p)), "--max-new-tokens", "6",
                    "--temperature", "1", "--seed", "0", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.splitlines() == expected, (target, proc.stdout, expected)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 
 from shardtune.config.load import load_recipe
 from tests.integration import forked
-from tests.integration.runs import FAST, cli, losses
+from tests.integration.runs import FAST, cli, forked_cli, losses
 from tests.unit.cli_helpers import run_cli
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -77,7 +77,7 @@ def test_folder_without_config_is_one_line(checkpoint, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "model.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes())
-    proc = cli("validate", "tiny-cpu", f"model.path={bare}", "model.init=pretrained", cwd=tmp_path)
+    proc = forked_cli("validate", "tiny-cpu", f"model.path={bare}", "model.init=pretrained", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "config.json" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from shardtune.config.load import load_recipe
 from shardtune.model.build import build_model
 from tests.integration import forked
-from tests.integration.runs import FAST, cli, summary
+from tests.integration.runs import FAST, forked_cli, summary
 
 RECIPE = "tiny-moe-cpu"
 
@@ -42,18 +42,18 @@ def test_moe_lora_exports_merge_and_generates(tmp_path):
         adapted = PeftModel.from_pretrained(base, str(run_dir / "final")).eval()(input_ids=ids).logits
     assert not torch.allclose(adapted, before, atol=1e-4)  # the expert and attention adapters trained
     out = tmp_path / "merged"
-    proc = cli("export", str(run_dir / "checkpoints"), str(out), "--merge", cwd=tmp_path)
+    proc = forked_cli("export", str(run_dir / "checkpoints"), str(out), "--merge", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
     torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
     # final/ holds the same adapters in peft's target_parameters layout: read back, the same merged weights
     from_final = tmp_path / "merged-final"
-    proc = cli("export", str(run_dir / "final"), str(from_final), "--merge", cwd=tmp_path)
+    proc = forked_cli("export", str(run_dir / "final"), str(from_final), "--merge", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = (load_file(str(d / "model.safetensors")) for d in (out, from_final))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(k.endswith("mlp.experts.down_proj") for k in a)  # the fused experts are in the merge
-    proc = cli("generate", str(from_final), "--prompt", "reverse abc=", "--prompt", "reverse hello=", "--max-new-tokens",
+    proc = forked_cli("generate", str(from_final), "--prompt", "reverse abc=", "--prompt", "reverse hello=", "--max-new-tokens",
                "6", cwd=tmp_path)
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 2, proc.stderr[-3000:]

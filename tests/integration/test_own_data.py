@@ -1,4 +1,5 @@
-"""Your own data, first try, through the installed executable: Alpaca with and without `input`, ShareGPT, OpenAI
+"""Your own data, first try (train through the installed executable; validate and prepare through the CLI's `main`,
+forked, tests/integration/runs.py `forked_cli`): Alpaca with and without `input`, ShareGPT, OpenAI
 messages with a system turn, txt and parquet, in one weighted mix: validate, prepare, train 10 steps; the cache
 holds each format's template text with the prompt masked. And txt under the demo recipe (its demo check on), for
 train.epochs instead of max_steps."""
@@ -15,7 +16,7 @@ from shardtune.data import build_data
 from shardtune.data.formats import IGNORE
 from shardtune.model.build import build_tokenizer
 from shardtune.templates import render_prompt
-from tests.integration.runs import cli, metrics
+from tests.integration.runs import cli, forked_cli, metrics
 
 N = 120
 SYSTEM = "answer in one word"
@@ -75,9 +76,9 @@ def _documents(part) -> list[tuple[str, str]]:
 
 def test_every_format_validates_prepares_and_trains_in_a_mix(tmp_path):
     recipe = _write(tmp_path)
-    proc = cli("validate", str(recipe), cwd=tmp_path)
+    proc = forked_cli("validate", str(recipe), cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("ok:"), proc.stderr
-    proc = cli("prepare", str(recipe), cwd=tmp_path)
+    proc = forked_cli("prepare", str(recipe), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     for text in ("dataset 6 of 6", "format: instruction (prompt=instruction, response=output; template alpaca)",
                  "prompt=instruction, response=output, input=input", "format: chat (messages=conversations",

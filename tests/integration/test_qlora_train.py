@@ -17,7 +17,7 @@ from peft import PeftModel
 from shardtune.config.load import load_recipe
 from shardtune.model.build import build_model
 from tests.integration import forked
-from tests.integration.runs import FAST, cli, losses, metrics, summary
+from tests.integration.runs import FAST, cli, forked_cli, losses, metrics, summary
 
 RECIPE = "tiny-qlora-cpu"
 # The recipe computes in fp32 (fast on any CPU); the path the 70B QLoRA recipes take is bf16 + checkpointing.
@@ -74,7 +74,7 @@ def test_qlora_checkpoint_resume_and_adapters(reference, tmp_path):
     assert losses(run_dir) == {s: v for s, v in losses(reference).items() if s > 2}
 
     out = tmp_path / "export"
-    proc = cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
+    proc = forked_cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recipe = load_recipe(RECIPE)
     ids = torch.randint(4, 90, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -5,12 +5,11 @@ defect another branch fixes are strict xfails (matrix.known_failure)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.runs import forked_cli
 from tests.simulated import matrix
 from tests.simulated.harness import run_simulated
 
@@ -52,15 +51,13 @@ def test_row_runs_on_the_simulated_gpu(row, tmp_path_factory):
     assert failure is None, f"{matrix.overrides(row)}:\n{failure}"
 
 
-# Each refused pair, and one row that runs: `shardtune validate` (the installed executable) gives the answer the
-# array was built with (the same load_recipe, in process).
+# Each refused pair, and one row that runs: `shardtune validate` (the CLI's `main`, forked from the preloaded server:
+# tests/integration/runs.py `forked_cli`) gives the answer the array was built with (the same load_recipe, in process).
 # One row per distinct refusal: the pairs the array could not run often share one reason (offloaded activations
-# without checkpointing, with each long-context value), and each check starts the executable.
+# without checkpointing, with each long-context value), and each check builds the model on meta.
 @pytest.mark.parametrize("row,reason", [*{reason: (row, reason) for row, reason in REFUSED}.values(), (ROWS[0], None)])
 def test_validate_agrees_with_the_matrix(row, reason):
-    shardtune = Path(sys.executable).with_name("shardtune")
-    res = subprocess.run([str(shardtune), "validate", matrix.recipe(row), *matrix.BASE, *matrix.overrides(row)],
-                         capture_output=True, text=True, timeout=300)
+    res = forked_cli("validate", matrix.recipe(row), *matrix.BASE, *matrix.overrides(row), cwd=Path.cwd())
     if reason is None:
         assert res.returncode == 0, res.stderr
     else:  # one line naming the key, exit 2

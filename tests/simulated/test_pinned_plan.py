@@ -1,6 +1,9 @@
 """`plan --simulate` under cpu_offload on a GPU: the pinned host pool CUDA would hold (simulated/allocator.py) and the
 host bytes, against the plan. Shards and gradient landing buffers are pinned at their exact size
-(accelerator.host_resident), so the pool holds what the plan counts, not power-of-two blocks."""
+(accelerator.host_resident), so the pool holds what the plan counts, not power-of-two blocks.
+
+Through the installed executable: the suite's `plan --simulate` runs from a fresh interpreter (the other
+`--simulate` tests fork the CLI from the preloaded server, tests/integration/runs.py `forked_cli`)."""
 from __future__ import annotations
 
 import json

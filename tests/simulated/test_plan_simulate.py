@@ -1,5 +1,5 @@
-"""`shardtune plan RECIPE --simulate` (issue 20), through the installed executable: one real training step on the
-simulated GPU; its measured peak must agree with the analytic plan within 5 % (bench/RESULTS.md has the table for
+"""`shardtune plan RECIPE --simulate` (issue 20), through the CLI's `main` forked from the preloaded server
+(tests/integration/runs.py `forked_cli`): one real training step on the simulated GPU; its measured peak must agree with the analytic plan within 5 % (bench/RESULTS.md has the table for
 every bundled GPU recipe).
   - a bundled GPU recipe at full size: Llama-3.1-8B, LoRA, bf16, checkpointing, seq 2048, one GPU (the other
     bundled recipes here run at 8 layers, tests/simulated/shallow.py);
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.runs import cli
+from tests.integration.runs import forked_cli
 from tests.simulated.shallow import shallow_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_simulated_step_agrees_with_the_plan(recipe: str, overrides: list[str], world: int, min_peak: float,
                                              layers: int | None, tmp_path: Path) -> None:
     depth = [shallow_config(recipe, layers, tmp_path)] if layers else []
-    out = cli("plan", recipe, *overrides, *depth, "--simulate", "--json", cwd=REPO, timeout=300)
+    out = forked_cli("plan", recipe, *overrides, *depth, "--simulate", "--json", cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     sim = json.loads(out.stdout)
     assert sim["world_size"] == world
@@ -51,9 +51,9 @@ def test_offloaded_host_agrees_with_the_plan(tmp_path: Path) -> None:
     CUDA's pinned allocator sizes them (powers of two) and, over 2 micro-steps, one more reduced-gradient copy per
     unit waiting to be added; the plan counts the same bytes."""
     recipe = "recipes/hardware/llama-3.1-8b-full-8x80gb.yaml"
-    out = cli("plan", recipe, shallow_config(recipe, 8, tmp_path), "engine.strategy=hybrid_shard",
+    out = forked_cli("plan", recipe, shallow_config(recipe, 8, tmp_path), "engine.strategy=hybrid_shard",
               "engine.cpu_offload=true", "launch.nnodes=2", "hardware.num_gpus=16", "--simulate", "--json",
-              cwd=REPO, timeout=300)
+              cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     sim = json.loads(out.stdout)
     assert sim["simulated_host_bytes"] > 16 * 3.0e9 / 8  # shards, grads, AdamW of 8 layers' 3B over 8 ranks
@@ -78,11 +78,11 @@ def test_sliding_window_band_is_planned(tmp_path: Path) -> None:
     for window in (128, None):
         cfg = tmp_path / f"mistral-window-{window}.json"
         cfg.write_text(json.dumps({**base, "sliding_window": window}))
-        out = cli("plan", "recipes/tiny-lora-cpu.yaml", f"model.config={cfg}", "model.tokenizer=builtin:char",
+        out = forked_cli("plan", "recipes/tiny-lora-cpu.yaml", f"model.config={cfg}", "model.tokenizer=builtin:char",
                   f"data.path={data}", "data.format=text", "data.seq_len=1024", "train.micro_batch_size=1",
                   "engine.activation_checkpointing=false", "engine.cpu_offload=false", "launch.device=cuda",
                   "hardware.gpu=rtx4090-24gb", "launch.nproc_per_node=1", "hardware.num_gpus=1", "--simulate",
-                  "--json", cwd=REPO, timeout=300)
+                  "--json", cwd=REPO)
         assert out.returncode == 0, out.stderr[-2000:]
         sim = json.loads(out.stdout)
         peaks[window] = (sim["simulated_peak_bytes"], sim["analytic_peak_bytes"])

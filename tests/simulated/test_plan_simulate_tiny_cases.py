@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.integration.runs import cli
+from tests.integration.runs import forked_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _simulate(*overrides: str) -> dict:
-    out = cli("plan", "recipes/tiny-lora-cpu.yaml", "launch.device=cuda", "hardware.gpu=rtx4090-24gb", *overrides,
-              "--simulate", "--json", cwd=REPO, timeout=300)
+    out = forked_cli("plan", "recipes/tiny-lora-cpu.yaml", "launch.device=cuda", "hardware.gpu=rtx4090-24gb", *overrides,
+              "--simulate", "--json", cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
