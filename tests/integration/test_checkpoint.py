@@ -30,10 +30,11 @@ def train_args(run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """One uninterrupted run: checkpoints at steps 3 and 6, final/."""
+    """One uninterrupted run: checkpoints at steps 3 and 6, final/ (forked ranks: the numbers to compare against;
+    the CLI's runs are the tests' own)."""
     run_dir = tmp_path_factory.mktemp("ckpt") / "reference"
-    proc = cli(*train_args(run_dir), cwd=run_dir.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = forked.train("tiny-cpu", *overrides(run_dir))
+    assert run.code == 0, run.err[-3000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
     return run_dir
 

@@ -1,12 +1,13 @@
 """A corpus of the mistakes people make with their own data and recipes, fed to `validate`, `prepare` and `train`
-through the installed executable (and `plan`, for the recipe's own values): they must agree on what they accept, and each refusal is one line on stderr,
-exit 2, never a traceback.
+(and `plan`, for the recipe's own values): they must agree on what they accept, and each refusal is one line on
+stderr, exit 2, never a traceback. prepare and train run through the installed executable; validate and plan, which
+build the model on meta, through the CLI's main forked from the suite's preloaded server (runs.py forked_cli).
 
-Cost (~45 s of CPU): `prepare` and `train` run on every refused input alone (each refuses before torch loads, in
-~0.3 s; train in its launcher, before a worker starts). `validate`, which builds the model on meta (~5 s), runs
-once over all the refused files as one mix (it reports every entry's problem, one line each) and alone on each bad
-recipe value. The accepted inputs run as one mix through validate, prepare and a 1-step train on one worker (a mix
-is refused when any of its entries is, so accepting it accepts each).
+Cost: `prepare` and `train` run on every refused input alone (each refuses before torch loads, in ~0.3 s; train in
+its launcher, before a worker starts). `validate` runs once over all the refused files as one mix (it reports every
+entry's problem, one line each) and alone on each bad recipe value. The accepted inputs run as one mix through
+validate, prepare and a 1-step train on one worker (a mix is refused when any of its entries is, so accepting it
+accepts each).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from shardtune.bundled import DATA_DIR
-from tests.integration.runs import cli
+from tests.integration.runs import cli, forked_cli
 
 ROWS = [{"prompt": f"caf\u00e9 {i}", "response": f"r{i}"} for i in range(40)]
 JSONL = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ROWS)
@@ -102,8 +103,13 @@ def test_every_malformed_input_is_refused_alike_in_one_line(corpus):
              for cmd in ("validate", "plan")]
     jobs += [("every refused file", "validate", ["validate", str(recipe), _mix(tmp, dict.fromkeys(REFUSED_FILES,
                                                                                                 "instruction"))])]
+    # prepare and train refuse before torch loads: through the executable, two at a time. validate and plan build
+    # the model on meta: the CLI's main forked from the preloaded server (runs.py forked_cli), one at a time.
+    fresh = [i for i, job in enumerate(jobs) if job[1] in ("prepare", "train")]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda job: cli(*job[2], cwd=tmp), jobs))
+        results = dict(zip(fresh, pool.map(lambda i: cli(*jobs[i][2], cwd=tmp), fresh)))
+    results |= {i: forked_cli(*job[2], cwd=tmp) for i, job in enumerate(jobs) if i not in results}
+    results = [results[i] for i in range(len(jobs))]
     for (name, cmd, _), proc in zip(jobs[:-1], results):
         _one_line_refusal(proc, f"{cmd} {name}")
     for name in cases:  # train refused before its workers started: they would have made logs/

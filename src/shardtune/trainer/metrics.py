@@ -100,14 +100,13 @@ def _read_until(path: Path, step: int) -> list[dict[str, Any]]:
 
 
 def plot_loss(history: list[dict[str, Any]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # The object API, not pyplot: no backend selection, no global figure registry (rendered by Agg through savefig).
+    from matplotlib.figure import Figure
 
     train = [(r["step"], r["loss"]) for r in history if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train loss")
     if evals:
@@ -117,4 +116,3 @@ def plot_loss(history: list[dict[str, Any]], out: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-    plt.close(fig)
