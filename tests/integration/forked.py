@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.distributed.harness import start_ranks
+from tests.integration.runs import console_to_files
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,7 @@ def _rank(rank: int, world: int, port: int, recipe_file: str, logs: str) -> None
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if rank == 0:  # the console of rank 0 is what a user reads (the other ranks print nothing of their own)
-        for fd, name in ((1, "out"), (2, "err")):
-            f = os.open(Path(logs) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd)
-            os.close(f)
-        sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
-        sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+        console_to_files(logs)
     import torch
 
     from shardtune.config.load import load_recipe

@@ -40,12 +40,7 @@ def _forked_main(_rank: int, argv: list[str], cwd: str, env: dict[str, str], log
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, name in ((1, "out"), (2, "err")):
-        f = os.open(Path(logs) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+    console_to_files(logs)
     sys.argv = [SHARDTUNE, *argv]
     from shardtune.launcher.cli import main
 
@@ -62,6 +57,17 @@ def _forked_main(_rank: int, argv: list[str], cwd: str, env: dict[str, str], log
     sys.stdout.flush()
     sys.stderr.flush()
     (Path(logs) / "code").write_text(str(code))
+
+
+def console_to_files(logs: str | Path) -> None:
+    """This process's stdout and stderr (the file descriptors, so child output and C-level writes too) into the files
+    `out` and `err` under `logs`."""
+    for fd, name in ((1, "out"), (2, "err")):
+        f = os.open(Path(logs) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
 
 
 def start(*args: str, cwd: Path) -> subprocess.Popen:
