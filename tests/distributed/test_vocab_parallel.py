@@ -94,8 +94,8 @@ def _parity(name: str, mode: str, strategy: str = "full_shard", backend: str = "
     model = _model(name, mode)
     world, rank = dist.get_world_size(), dist.get_rank()
     policy = policy_for(model, strategy, world=world, cpu_offload=offload, lora={"full": None, "lora": "lora", "qlora": "nf4"}[mode])
-    if mode == "qlora":  # tiles of 4 KiB: several per weight of the tiny model (the default 64 MB is one)
-        policy = dataclasses.replace(policy, nf4_tile_bytes=4096)
+    if mode == "qlora":  # tiles of 16 KiB: 4 to 16 per weight of the tiny model (the default 64 MB is one)
+        policy = dataclasses.replace(policy, nf4_tile_bytes=16384)
     sharded = shardtune_backend.shard_model(model, policy, device=torch.device("cpu"))
     tables = [f for f in sharded.units[-1].flats if f.local]
     assert len(tables) == (1 if name != "tiny-llama" else 2), "tied: one table; untied: embedding and head"

@@ -56,9 +56,9 @@ def test_a_worker_killed_by_sigkill_is_one_line_and_its_checkpoint_resumes(tmp_p
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
     assert "Traceback" not in err and "ChildFailedError" not in err
     assert not (run_dir / "final").exists()
-    again = cli(*train_args(run_dir, "train.max_steps=12"), cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and max(losses(run_dir)) == 12
+    again = forked.train("tiny-cpu", *overrides(run_dir, "train.max_steps=12"))  # the relaunch: the worker's part
+    assert again.code == 0, again.err[-3000:]
+    assert "resumed from" in again.out and max(losses(run_dir)) == 12
 
 
 def _workers(launcher: int) -> list[int]:
