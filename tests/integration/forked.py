@@ -27,8 +27,10 @@ class Run:
     err: str  # rank 0's stderr
 
 
-def train(recipe: str | Path, *overrides: str, world: int = 2) -> Run:
-    """`shardtune train RECIPE OVERRIDES` on `world` forked ranks; train.output_dir must be among the overrides."""
+def train(recipe: str | Path, *overrides: str, world: int = 2, env: dict[str, str] | None = None) -> Run:
+    """`shardtune train RECIPE OVERRIDES` on `world` forked ranks; train.output_dir must be among the overrides.
+    The ranks see `env`, by default this process's environment at the call (as a subprocess would; the rank
+    server's is the one it started with)."""
     from shardtune.config.load import load_recipe_config, to_recipe
     from shardtune.launcher.launch import prepare_run_dir
     from shardtune.trainer.runtime import free_port
@@ -39,7 +41,8 @@ def train(recipe: str | Path, *overrides: str, world: int = 2) -> Run:
         resolved, recipe_file = prepare_run_dir(cfg, to_recipe(cfg), world)
     logs = Path(resolved.train.output_dir) / "forked"
     logs.mkdir(exist_ok=True)
-    start_ranks(_rank, (world, free_port(), str(recipe_file), str(logs)), world)
+    start_ranks(_rank, (world, free_port(), str(recipe_file), str(logs), dict(os.environ) if env is None else env),
+                world)
     read = lambda name: (logs / name).read_text() if (logs / name).exists() else ""  # noqa: E731
     return Run(code=int(read("code")), launcher_err=said.getvalue(), out=read("out"), err=read("err"))
 
@@ -56,7 +59,9 @@ def train_on_one_rank(recipe: str | Path, *overrides: str) -> Run:
     return train(recipe, *overrides, f"train.micro_batch_size={rows}", world=1)
 
 
-def _rank(rank: int, world: int, port: int, recipe_file: str, logs: str) -> None:
+def _rank(rank: int, world: int, port: int, recipe_file: str, logs: str, env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if rank == 0:  # the console of rank 0 is what a user reads (the other ranks print nothing of their own)

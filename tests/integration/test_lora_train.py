@@ -1,8 +1,9 @@
-"""LoRA through the real CLI with every memory feature on (the bundled tiny-lora-cpu recipe: LoRA + bf16 +
-activation checkpointing + CPU offload, 2 CPU workers): trains, checkpoints adapters + optimizer only, resumes
-exactly, and `final/` and `shardtune export` are PEFT adapters that load with PeftModel.from_pretrained. The runs
-after the reference (a resume, another world size, a pretrained base) train on forked ranks (forked.py): the same
-launcher checks and worker, without the CLI's start-up."""
+"""LoRA with every memory feature on (the bundled tiny-lora-cpu recipe: LoRA + bf16 + activation checkpointing + CPU
+offload, 2 CPU workers): trains, checkpoints adapters + optimizer only, resumes exactly, and `final/` and `shardtune
+export` are PEFT adapters that load with PeftModel.from_pretrained. Every run trains on forked ranks (forked.py: the
+launcher's checks and the worker, without the CLI's start-up; what the executable and torchrun add is
+test_cli_train's and test_checkpoint's); export and generate run the CLI's main forked (runs.py forked_cli), but
+export's refusal to overwrite runs through the executable."""
 from __future__ import annotations
 
 import json
@@ -26,15 +27,12 @@ def overrides(run_dir: Path, *extra: str) -> list[str]:
     return [f"train.output_dir={run_dir}", "train.save_every=3", *FAST, *extra]
 
 
-def train_args(run_dir: Path, *extra: str) -> list[str]:
-    return ["train", "tiny-lora-cpu", *overrides(run_dir, *extra)]
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("lora") / "reference"
-    proc = cli(*train_args(run_dir), cwd=run_dir.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = forked.train("tiny-lora-cpu", *overrides(run_dir))  # 2 forked ranks: the launcher's checks and the worker
+    assert run.code == 0, run.err[-3000:]
     return run_dir
 
 

@@ -1,5 +1,6 @@
-"""Your own data, first try (train through the installed executable; validate and prepare through the CLI's `main`,
-forked, tests/integration/runs.py `forked_cli`): Alpaca with and without `input`, ShareGPT, OpenAI
+"""Your own data, first try (validate and prepare through the CLI's `main` forked from the suite's preloaded server,
+tests/integration/runs.py `forked_cli`; the mix trains on a forked rank, forked.py; the text file through the
+installed executable): Alpaca with and without `input`, ShareGPT, OpenAI
 messages with a system turn, txt and parquet, in one weighted mix: validate, prepare, train 10 steps; the cache
 holds each format's template text with the prompt masked. And txt under the demo recipe (its demo check on), for
 train.epochs instead of max_steps."""
@@ -16,6 +17,7 @@ from shardtune.data import build_data
 from shardtune.data.formats import IGNORE
 from shardtune.model.build import build_tokenizer
 from shardtune.templates import render_prompt
+from tests.integration import forked
 from tests.integration.runs import cli, forked_cli, metrics
 
 N = 120
@@ -105,9 +107,9 @@ def test_every_format_validates_prepares_and_trains_in_a_mix(tmp_path):
                 number //= 2
             assert (text, trained) == expect[k](number), (k, text, trained)
 
-    proc = cli("train", str(recipe), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "train.demo_eval: skipped (a mix of datasets)" in proc.stdout
+    run = forked.train(recipe, world=1)  # the launcher's checks and the worker (the executable: the test below)
+    assert run.code == 0, run.err[-2000:]
+    assert "train.demo_eval: skipped (a mix of datasets)" in run.out
     lines = metrics(tmp_path / "run")
     assert [r["step"] for r in lines] == list(range(1, 11)) and lines[-1]["epoch"] == pytest.approx(
         10 * 7 / len(data.train), abs=1e-3)

@@ -1,9 +1,9 @@
-"""QLoRA through the real CLI (the bundled tiny-qlora-cpu recipe, 2 CPU workers):
+"""QLoRA on forked ranks (the bundled tiny-qlora-cpu recipe; forked.py: the launcher's checks and the worker, without
+the CLI's start-up):
 - it learns: held-out exact match rises from 0% on the demo task (fp32 compute, as the recipe ships);
 - with bf16 compute + activation checkpointing (the 70B recipes' setting): checkpoints hold adapters + optimizer
   only, resume is exact, `final/` and `shardtune export` are PEFT adapters that load onto the *bf16* (unquantized)
-  base with PeftModel.from_pretrained. The resume trains on forked ranks (forked.py): the same launcher checks and
-  worker, without the CLI's start-up."""
+  base with PeftModel.from_pretrained."""
 from __future__ import annotations
 
 import shutil
@@ -17,7 +17,7 @@ from peft import PeftModel
 from shardtune.config.load import load_recipe
 from shardtune.model.build import build_model
 from tests.integration import forked
-from tests.integration.runs import FAST, cli, forked_cli, losses, metrics, summary
+from tests.integration.runs import FAST, forked_cli, losses, metrics, summary
 
 RECIPE = "tiny-qlora-cpu"
 # The recipe computes in fp32 (fast on any CPU); the path the 70B QLoRA recipes take is bf16 + checkpointing.
@@ -28,16 +28,13 @@ def overrides(run_dir: Path, *extra: str) -> list[str]:
     return [f"train.output_dir={run_dir}", "train.save_every=2", *FAST, "train.max_steps=4", *BF16_CKPT, *extra]
 
 
-def train_args(run_dir: Path, *extra: str) -> list[str]:
-    return ["train", RECIPE, *overrides(run_dir, *extra)]
-
 
 def test_qlora_learns_the_demo_task(tmp_path):
     """Half the recipe's steps (~30 s idle): the adapters over the frozen, random NF4 base must lift held-out exact
     match from 0% by a wide margin (seed 0: 95%; 47-95% over seeds 0-2; 100% at the recipe's 300 steps) and the
     loss from ~4.8 at step 1 (uniform over 128 tokens: 4.85) to a held-out ~2.4, near its ~2.3 floor (the frozen
     random lm_head and final norm cap the logit margin; see bench/RESULTS.md)."""
-    # One forked rank with the recipe's global batch: a numeric check (the launcher's part is the reference's below;
+    # One forked rank with the recipe's global batch: a numeric check (the reference below runs on 2;
     # 2 ranks computing what 1 does: tests/distributed/test_qlora.py)
     run_dir = tmp_path / "run"
     run = forked.train_on_one_rank(RECIPE, f"train.output_dir={run_dir}", "train.max_steps=150",
@@ -53,8 +50,8 @@ def test_qlora_learns_the_demo_task(tmp_path):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("qlora") / "reference"
-    proc = cli(*train_args(run_dir), cwd=run_dir.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = forked.train(RECIPE, *overrides(run_dir))  # 2 forked ranks: the launcher's checks and the worker
+    assert run.code == 0, run.err[-3000:]
     return run_dir
 
 

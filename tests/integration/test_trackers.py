@@ -1,4 +1,4 @@
-"""train.report_to=[tensorboard,wandb,mlflow] through the CLI: W&B in offline mode and MLflow's folder store get the
+"""train.report_to=[tensorboard,wandb,mlflow] on 2 forked ranks (forked.py): W&B in offline mode and MLflow's folder store get the
 recipe as config and metrics.jsonl's records, from rank 0 only, and a resumed run continues the same tracker runs.
 A tracker that is not installed is one line naming the extra (validate and train)."""
 from __future__ import annotations
@@ -6,37 +6,37 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from shardtune.config.load import load_recipe
-from tests.integration.runs import FAST, SHARDTUNE, metrics
+from tests.integration import forked
+from tests.integration.runs import FAST, metrics
 from tests.unit.cli_helpers import run_cli
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
 
 
-def train(run: Path, *extra: str) -> subprocess.CompletedProcess:
+def train(run: Path, *extra: str) -> forked.Run:
+    """2 forked ranks (forked.py: the launcher's checks and the worker; the trackers live in the worker)."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     for key in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
         env.pop(key, None)  # the defaults: both stores inside the run directory
-    return subprocess.run([SHARDTUNE, "train", "tiny-cpu", f"train.output_dir={run}", *FAST, "train.save_every=2",
-                           "train.report_to=[tensorboard,wandb,mlflow]", *extra], capture_output=True, text=True,
-                          timeout=300, cwd=run.parent, env=env)
+    return forked.train("tiny-cpu", f"train.output_dir={run}", *FAST, "train.save_every=2",
+                        "train.report_to=[tensorboard,wandb,mlflow]", *extra, env=env)
 
 
 def test_wandb_and_mlflow_get_the_recipe_and_metrics_and_resume_the_same_run(tmp_path):
     run = tmp_path / "run"
-    proc = train(run, "train.max_steps=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = train(run, "train.max_steps=2")
+    assert first.code == 0, first.err[-3000:]
     ids = json.loads((run / "trackers.json").read_text())
-    proc = train(run, "train.max_steps=4")  # resumes from step 2
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+    again = train(run, "train.max_steps=4")  # resumes from step 2
+    assert again.code == 0, again.err[-3000:]
+    assert "resumed from" in again.out
     assert json.loads((run / "trackers.json").read_text()) == ids
     lines = metrics(run)
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
