@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from shardtune.bundled import DATA_DIR, RECIPES_DIR
 from shardtune.config.model_folder import apply_model_folder
-from shardtune.config.overrides import parse_overrides
+from shardtune.config.overrides import SAFE_LOADER, parse_overrides
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
 from shardtune.hub import is_hub_id
@@ -146,7 +146,7 @@ def load_recipe_config(recipe: str | Path, overrides: list[str] = ()) -> DictCon
 def _load(recipe: str | Path, overrides: list[str]) -> tuple[DictConfig, Recipe]:
     path = resolve_recipe_path(recipe)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = _parse_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise UserError(f"{path}: {_yaml_problem(e)}") from None
     if raw is None:
@@ -158,7 +158,7 @@ def _load(recipe: str | Path, overrides: list[str]) -> tuple[DictConfig, Recipe]
     except OmegaConfBaseException as e:
         raise _friendly(e, str(path)) from None
     try:
-        cfg = OmegaConf.merge(cfg, parse_overrides(list(overrides)))
+        cfg = OmegaConf.unsafe_merge(cfg, parse_overrides(list(overrides)))  # cfg is the first merge's copy
     except OmegaConfBaseException as e:
         raise _friendly(e, "override") from None
     try:
@@ -185,6 +185,15 @@ def _offending_override(message: str, source: str, overrides: list[str]) -> str 
         if o.split("=", 1)[0].lstrip("+~") == named:
             return o
     return None
+
+
+def _parse_yaml(text: str) -> Any:
+    """libyaml's safe loader (a recipe is parsed on every load); on an error, PyYAML's own, whose messages name the
+    character at fault (a tab) where libyaml's do not."""
+    try:
+        return yaml.load(text, Loader=SAFE_LOADER)
+    except yaml.YAMLError:
+        return yaml.safe_load(text)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
