@@ -25,9 +25,9 @@ demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
 # Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once).
-# 1,208 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine, otherwise idle (2026-11-29). Three workers fill the waits of the CLI, torchrun and
-# SLURM files (those files alone: 72 % -> 95 % busy), but the whole suite is CPU-bound: a fresh clone through
-# .ci/run with three read 96 % busy and took 1,185 s.
+# 924 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine, otherwise idle (2026-11-29; a
+# later run read 1,062 s). Three workers fill the waits of the CLI, torchrun and SLURM files (those files alone:
+# 72 % -> 95 % busy), but the whole suite is CPU-bound (96-99 % busy through a run, bench/RESULTS.md stop 48).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
