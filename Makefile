@@ -29,7 +29,7 @@ demo: $(STAMP)
 # later run read 1,062 s). Three workers fill the waits of the CLI, torchrun and SLURM files (those files alone:
 # 72 % -> 95 % busy), but the whole suite is CPU-bound (96-99 % busy through a run, bench/RESULTS.md stop 48).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

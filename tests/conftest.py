@@ -9,13 +9,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 UNIT = Path(__file__).parent / "unit"
 
 
-# The costliest files first (seconds under `make test`'s two workers, measured 2026-11-27): a worker that picks one
-# up last would run it alone while the other idles. Order only; every file keeps its tests together and in order.
-COSTLIEST_FIRST = ["slurm/test_slurm_job.py", "integration/test_plan_accuracy.py", "integration/test_checkpoint.py",
-                   "simulated/test_moe_plan_simulate.py", "simulated/test_matrix.py", "integration/test_qlora_train.py",
-                   "integration/test_malformed_inputs.py", "simulated/test_plan_simulate.py",
-                   "integration/test_own_data.py", "distributed/test_vocab_parallel.py",
-                   "integration/test_moe_train.py", "distributed/test_parity.py"]
+# The costliest files first, by the seconds each holds a worker (measured 2026-11-29 under `make test`'s two workers):
+# a worker that picks one up last would run it alone while the other idles. SLURM first: most of its time is waiting
+# on the cluster, which the other worker fills. The Makefile passes --no-loadscope-reorder, without which xdist hands
+# out files by their number of tests instead. Order only; every file keeps its tests together and in order.
+COSTLIEST_FIRST = ["slurm/test_slurm_job.py", "integration/test_checkpoint.py", "integration/test_plan_accuracy.py",
+                   "simulated/test_matrix.py", "distributed/test_vocab_parallel.py", "integration/test_hub.py",
+                   "integration/test_qlora_train.py", "simulated/test_recipe_syncs.py",
+                   "integration/test_malformed_inputs.py", "distributed/test_moe.py", "integration/test_cli_train.py",
+                   "integration/test_cli_usage.py", "simulated/test_plan_simulate.py", "distributed/test_parity.py",
+                   "integration/test_moe_train.py", "integration/test_dpo_train.py", "integration/test_own_data.py",
+                   "integration/test_installed_executable.py", "integration/test_lora_train.py",
+                   "distributed/test_dpo.py", "integration/test_generate.py", "distributed/test_lora.py"]
 
 
 def _cost_rank(item) -> int:

@@ -5,9 +5,9 @@ CPU method (no allocator hooks exist on CPU, and we do not monkeypatch torch): a
 outputs; each new untyped storage is registered once, keyed by its data pointer, with a `weakref` whose callback
 subtracts its bytes when the storage dies. Storages alive before `start()` are found once by scanning the garbage
 collector's tensors. Storages resized in place outside dispatch (`UntypedStorage.resize_`, how FSDP frees gathered
-parameters) are caught by re-reading the size of every registered storage of at least `recheck_min_bytes` after each
-op, and by `storage_resized()`, which our engine calls when it resizes. Cost: Python work per op (~2-5x slower
-steps): use it for measurement runs, not for timing.
+parameters) are caught by `storage_resized()`, which our engine calls when it resizes, and, for code that does not
+(FSDP2), by re-reading the size of every registered storage of at least `recheck_min_bytes` after each op. Cost:
+Python work per op (~2-5x slower steps): use it for measurement runs, not for timing.
 
 Meta mode (`device_type="meta"`, what `plan --simulate` uses): the same bookkeeping over meta storages, which have
 sizes but no bytes, so a full-size step on the simulated GPU reports the device peak it would reach. `host` (a
@@ -17,6 +17,7 @@ stand-in host, counted apart in `host_peak_bytes()`.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -248,9 +249,15 @@ class CudaMemoryTracker:
         return torch.cuda.memory_allocated(self.device)
 
 
-def memory_tracker(device: torch.device) -> CpuMemoryTracker | CudaMemoryTracker:
-    """The tracker for `device`; call `.start()` before the steps to measure and `.stop()` after."""
-    return CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()  # simulated: host bytes only
+def memory_tracker(device: torch.device, *, resizes_reported: bool = False) -> CpuMemoryTracker | CudaMemoryTracker:
+    """The tracker for `device`; call `.start()` before the steps to measure and `.stop()` after.
+
+    `resizes_reported`: every in-place storage resize of the run calls `storage_resized` (our engine's do), so the
+    CPU tracker skips its per-op recheck of big storages (a sixth of a tracked step's time). FSDP2's resizes report
+    nothing: leave it False there."""
+    if device.type == "cuda":
+        return CudaMemoryTracker(device)
+    return CpuMemoryTracker(recheck_min_bytes=sys.maxsize) if resizes_reported else CpuMemoryTracker()
 
 
 def snapshot_live_bytes() -> int:

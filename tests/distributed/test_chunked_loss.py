@@ -9,7 +9,14 @@ import functools
 
 import torch
 import torch.distributed as dist
-from tests.distributed.common import adamw, build_model, global_batch, num_targets, policy_for
+from tests.distributed.common import (
+    adamw,
+    build_model,
+    computed_by_one_rank,
+    global_batch,
+    num_targets,
+    policy_for,
+)
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_lora import LORA
 from tests.distributed.test_qlora import block_linears, reference_nf4
@@ -59,11 +66,13 @@ def _steps(model, sharded, opt, *, chunk: int, batch=global_batch) -> list[float
 
 @functools.cache
 def _reference(name: str, mode: str) -> list[float]:
-    """One process, today's path: full logits, torchao's whole-weight NF4 matmul for QLoRA."""
-    model = _model(name, mode)
-    if mode == "qlora":
-        nf4_reference_weights(model)
-    return _steps(model, None, adamw(model), chunk=0)
+    """One process, today's path: full logits, torchao's whole-weight NF4 matmul for QLoRA (run by one rank)."""
+    def run() -> list[float]:
+        model = _model(name, mode)
+        if mode == "qlora":
+            nf4_reference_weights(model)
+        return _steps(model, None, adamw(model), chunk=0)
+    return computed_by_one_rank(f"chunked {name} {mode}", run)
 
 
 def nf4_reference_weights(model) -> None:

@@ -1,7 +1,7 @@
 """Parity (fp32): losses, sharded params and sharded grads equal single-process training, every strategy.
 
-Each rank also runs the single-process reference itself (tiny models: cheaper than a second spawn), on the whole
-global batch, with torch AdamW on the same decay/no-decay groups and torch's clip_grad_norm_.
+The single-process reference runs on one of the ranks (common.computed_by_one_rank: cheaper than a second spawn), on
+the whole global batch, with torch AdamW on the same decay/no-decay groups and torch's clip_grad_norm_.
 """
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from tests.distributed.common import MODELS, adamw, build_model, policy_for, train_step
+from tests.distributed.common import MODELS, adamw, build_model, computed_by_one_rank, policy_for, train_step
 from tests.distributed.harness import run_distributed
 
 from shardtune.engine import shard as shardtune_backend
 from shardtune.engine import torch_backend
 from shardtune.engine.api import BackwardSchedule
 
-NUM_STEPS = 20
+NUM_STEPS = 8  # AdamW's moments and bias correction move every step; each step runs the same code (20 cost 2.4x)
 LOSS_RTOL = 1e-5
 
 
@@ -50,20 +50,25 @@ _REFERENCE: dict[tuple[str, int], dict] = {}  # per process: the reference run i
 def reference_run(model_name: str, accum: int) -> dict:
     key = (model_name, accum)
     if key not in _REFERENCE:
-        ref = build_model(model_name)
-        opt = adamw(ref)
-        out: dict = {"init": snapshot(ref)[0], "losses": [], "norms": []}
-        for step in range(NUM_STEPS):
-            snap: list = []
-            loss, norm = train_step(ref, None, opt, step, accum=accum, sync_each=True,
-                                    before_step=lambda snap=snap: snap.append(snapshot(ref)))
-            out["losses"].append(loss)
-            out["norms"].append(norm)
-            if step == 0:
-                out["step0"] = snap[0]
-        out["final"] = snapshot(ref)[0]
-        _REFERENCE[key] = out
+        _REFERENCE[key] = computed_by_one_rank(f"parity {model_name} {accum}", lambda: _reference(model_name, accum))
     return _REFERENCE[key]
+
+
+def _reference(model_name: str, accum: int) -> dict:
+    """The single-process run: initial, step-0 and final parameters (and step-0 grads), losses and norms."""
+    ref = build_model(model_name)
+    opt = adamw(ref)
+    out: dict = {"init": snapshot(ref)[0], "losses": [], "norms": []}
+    for step in range(NUM_STEPS):
+        snap: list = []
+        loss, norm = train_step(ref, None, opt, step, accum=accum, sync_each=True,
+                                before_step=lambda snap=snap: snap.append(snapshot(ref)))
+        out["losses"].append(loss)
+        out["norms"].append(norm)
+        if step == 0:
+            out["step0"] = snap[0]
+    out["final"] = snapshot(ref)[0]
+    return out
 
 
 def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend: str = "shardtune",
@@ -95,7 +100,7 @@ def _parity(model_name: str, strategy: str, accum: int, sync_each: bool, backend
         torch.testing.assert_close(norm, ref["norms"][step], rtol=1e-4, atol=0)
     if ours:
         assert sharded.ctx.reducer.num_issued > 0 and sharded.ctx.reducer.pending() == 0
-        # After 20 AdamW steps the master shards still track the reference. AdamW divides by the gradient's own
+        # After NUM_STEPS AdamW steps the master shards still track the reference. AdamW divides by the gradient's own
         # scale, so an element whose gradient is float noise moves by up to lr per step either way: with the
         # vocabulary tables row-sharded (the default) the head's and embedding's sums run in another order than the
         # reference's one matmul, and a handful of such elements drift by ~1e-5 (the tight checks are the losses,

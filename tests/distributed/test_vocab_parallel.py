@@ -15,7 +15,7 @@ import functools
 
 import torch
 import torch.distributed as dist
-from tests.distributed.common import adamw, global_batch, num_targets, policy_for
+from tests.distributed.common import adamw, computed_by_one_rank, global_batch, num_targets, policy_for
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_chunked_loss import NUM_STEPS, nf4_reference_weights
 from tests.distributed.test_chunked_loss import _model as chunked_model
@@ -61,11 +61,26 @@ def _steps(model, sharded, opt, *, chunk: int) -> list[float]:
 
 @functools.cache
 def _reference(name: str, mode: str):
-    """One process, the old path: full logits, whole tables, torchao's whole-weight NF4 matmul for QLoRA."""
-    model = _model(name, mode)
-    if mode == "qlora":
-        nf4_reference_weights(model)
-    losses = _steps(model, None, adamw(model), chunk=0)
+    """One process, the old path: full logits, whole tables, torchao's whole-weight NF4 matmul for QLoRA. One rank
+    trains it; the others get its losses and trained parameters and rebuild the rest (seeded, as it was built)."""
+    def untrained() -> torch.nn.Module:
+        model = _model(name, mode)
+        if mode == "qlora":
+            nf4_reference_weights(model)
+        return model
+
+    def run() -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = untrained()
+        losses = _steps(model, None, adamw(model), chunk=0)
+        return losses, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    losses, trained = computed_by_one_rank(f"vocab {name} {mode}", run)
+    model = untrained()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(trained.pop(n))
+    assert not trained, sorted(trained)
     return model, losses
 
 

@@ -23,8 +23,10 @@ def _pairs(row: Row, names: Sequence[str]) -> set[tuple]:
 
 
 def all_pairs(factors: Mapping[str, Sequence[Any]], refused: Callable[[Row], str | None] = lambda row: None,
-              *, seed: int = 0, tries: int = 8) -> tuple[list[Row], list[tuple[Row, str]]]:
-    """-> (rows that run, covering every pair not refused; [(row, reason)] for each refused pair)."""
+              *, seed: int = 0, tries: int = 8, cost: Callable[[str, Any], float] = lambda name, value: 0.0,
+              ) -> tuple[list[Row], list[tuple[Row, str]]]:
+    """-> (rows that run, covering every pair not refused; [(row, reason)] for each refused pair). `cost(name,
+    value)`: what a value adds to a row's cost (ranks started, say); among equally covering choices the cheaper wins."""
     names = list(factors)
     rng = random.Random(seed)
     uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
@@ -33,10 +35,11 @@ def all_pairs(factors: Mapping[str, Sequence[Any]], refused: Callable[[Row], str
     rows: list[Row] = []
     while uncovered:
         seeds = [_seed(uncovered, rng) for _ in range(tries)]
-        candidates = sorted(((len(_pairs(row, names) & uncovered), i, row) for i, row in
-                             enumerate(_candidate(factors, names, seed, uncovered, rng) for seed in seeds)),
-                            key=lambda c: (-c[0], c[1]))
-        best = next((row for _, _, row in candidates if refused(row) is None), None)  # asked lazily: it costs
+        candidates = sorted(((len(_pairs(row, names) & uncovered), sum(cost(n, v) for n, v in row.items()), i, row)
+                             for i, row in enumerate(_candidate(factors, names, seed, uncovered, rng, cost)
+                                                     for seed in seeds)),
+                            key=lambda c: (-c[0], c[1], c[2]))
+        best = next((row for *_, row in candidates if refused(row) is None), None)  # asked lazily: it costs
         if best is not None:
             rows.append(best)
             uncovered -= _pairs(best, names)
@@ -55,7 +58,7 @@ def _seed(uncovered: set[tuple], rng: random.Random) -> tuple:
 
 
 def _candidate(factors: Mapping[str, Sequence[Any]], names: list[str], seed: tuple, uncovered: set[tuple],
-               rng: random.Random) -> Row:
+               rng: random.Random, cost: Callable[[str, Any], float]) -> Row:
     a, va, b, vb = seed
     row: Row = {a: va, b: vb}
     rest = [n for n in names if n not in row]
@@ -63,6 +66,6 @@ def _candidate(factors: Mapping[str, Sequence[Any]], names: list[str], seed: tup
     for n in rest:
         values = list(factors[n])
         rng.shuffle(values)
-        row[n] = max(values, key=lambda v: sum((m, row[m], n, v) in uncovered or (n, v, m, row[m]) in uncovered
-                                               for m in row))
+        row[n] = max(values, key=lambda v: (sum((m, row[m], n, v) in uncovered or (n, v, m, row[m]) in uncovered
+                                                for m in row), -cost(n, v)))
     return {n: row[n] for n in names}

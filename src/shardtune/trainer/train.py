@@ -71,7 +71,7 @@ def train(recipe: Recipe) -> dict:
     log = MetricsLog(run.run_dir, max_steps=max_steps, enabled=rt.is_main, start_step=start_step,
                      log_every=cfg.log_every, show_epoch=cfg.epochs is not None, report_to=cfg.report_to,
                      config=asdict(recipe))
-    tracker = _memory_tracker(cfg.profile_memory, rt.device)
+    tracker = _memory_tracker(cfg.profile_memory, rt.device, recipe.engine.backend)
     stop = StopRequest()
     demo = demo_samples(run.data, cfg.demo_eval_samples, announce=rt.is_main) if cfg.demo_eval else []
     acc_before = exact_match(run.model, run.tok, demo, rt) if demo and start_step == 0 else None
@@ -254,9 +254,10 @@ def resume(run: Run) -> int:
     return step
 
 
-def _memory_tracker(enabled: bool, device: torch.device):
+def _memory_tracker(enabled: bool, device: torch.device, backend: str):
     if not enabled:
         return None
     from shardtune.memory import memory_tracker
 
-    return memory_tracker(device).start()  # CPU: a dispatch mode over live storages (slows steps ~2-5x)
+    # CPU: a dispatch mode over live storages (slows steps ~2-5x); our engine reports each storage it resizes
+    return memory_tracker(device, resizes_reported=backend == "shardtune").start()
