@@ -25,9 +25,10 @@ demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
 # Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once).
-# 924 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine, otherwise idle (2026-11-29; a
-# later run read 1,062 s). Three workers fill the waits of the CLI, torchrun and SLURM files (those files alone:
-# 72 % -> 95 % busy), but the whole suite is CPU-bound (96-99 % busy through a run, bench/RESULTS.md stop 48).
+# 996 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine (2026-11-29; the work tree read
+# 737 s an hour earlier: the machine's speed varies by a third). The whole suite is CPU-bound (96-99 % busy through a
+# run, bench/RESULTS.md stop 48). --no-loadscope-reorder: files go out in tests/conftest.py's costliest-first order,
+# not by their number of tests (xdist's default, which put the SLURM file's waits anywhere).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
