@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _ACTIVE: list[CpuMemoryTracker] = []
+RECHECK_MIN_BYTES = 64 * 1024  # storages this big are re-read after every op unless resizes are reported
 _HOST_SCOPE = threading.local()  # depth of `host_allocations()` blocks open in this thread
 
 
@@ -80,7 +81,7 @@ def _data_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 class CpuMemoryTracker(TorchDispatchMode):
-    def __init__(self, *, recheck_min_bytes: int = 64 * 1024, device_type: str = "cpu",
+    def __init__(self, *, recheck_min_bytes: int = RECHECK_MIN_BYTES, device_type: str = "cpu",
                  host: Callable[[torch.Tensor | None], bool] | None = None, record_peak: bool = False) -> None:
         """`device_type`: whose storages count (cpu, or meta for the simulated GPU). `host(t)`: whether tensor
         `t` (at start) or an op's output now (`t` None) is host memory, counted apart (meta mode only).
@@ -249,15 +250,18 @@ class CudaMemoryTracker:
         return torch.cuda.memory_allocated(self.device)
 
 
-def memory_tracker(device: torch.device, *, resizes_reported: bool = False) -> CpuMemoryTracker | CudaMemoryTracker:
-    """The tracker for `device`; call `.start()` before the steps to measure and `.stop()` after.
+def recheck_min_bytes(resizes_reported: bool) -> int:
+    """The CPU tracker's `recheck_min_bytes`. `resizes_reported`: every in-place storage resize of the run calls
+    `storage_resized` (our engine's do), so no per-op recheck of big storages (a sixth of a tracked step's time);
+    FSDP2's resizes report nothing."""
+    return sys.maxsize if resizes_reported else RECHECK_MIN_BYTES
 
-    `resizes_reported`: every in-place storage resize of the run calls `storage_resized` (our engine's do), so the
-    CPU tracker skips its per-op recheck of big storages (a sixth of a tracked step's time). FSDP2's resizes report
-    nothing: leave it False there."""
+
+def memory_tracker(device: torch.device, *, resizes_reported: bool = False) -> CpuMemoryTracker | CudaMemoryTracker:
+    """The tracker for `device`; call `.start()` before the steps to measure and `.stop()` after."""
     if device.type == "cuda":
         return CudaMemoryTracker(device)
-    return CpuMemoryTracker(recheck_min_bytes=sys.maxsize) if resizes_reported else CpuMemoryTracker()
+    return CpuMemoryTracker(recheck_min_bytes=recheck_min_bytes(resizes_reported))
 
 
 def snapshot_live_bytes() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from shardtune import accelerator
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import check_world
 from shardtune.errors import UserError
+from shardtune.memory import recheck_min_bytes
 from shardtune.model.moe_checks import model_problems
 from shardtune.simulated.allocator import AllocatorTracker
 from shardtune.simulated.fsdp2_offload import is_nf4
@@ -134,7 +134,7 @@ EXTRA: list[Row] = [
 @functools.cache
 def covering_array() -> tuple[list[Row], list[tuple[Row, str]]]:
     # A row at world W starts W ranks: of equally covering rows the array keeps the one with fewer (32 candidates a
-    # row: 19 rows and 64 ranks against 22 and 80 with 8, and fewer pairs left to refusal)
+    # row: 19 rows starting 64 ranks, against 19 starting 73 with 8 and no cost, and 18 pairs left to refusal, not 33)
     rows, refused = all_pairs(FACTORS, refusal, tries=32, cost=lambda name, value: value if name == "world" else 0)
     extra = [{n: r[n] for n in FACTORS} for r in EXTRA if {n: r[n] for n in FACTORS} not in rows]
     return rows + extra, refused
@@ -156,9 +156,9 @@ def _build(out: Path, row: Row) -> T.Run:
 def step_save_resume(row: Row, out: Path) -> None:
     run = _build(out, row)
     assert run.rt.device == accelerator.SIMULATED and run.rt.world_size == row["world"]
-    # CUDA's caching allocator, modelled over the step's device storages; FSDP2's in-place resizes are found by the
-    # per-op recheck, ours are reported (memory.storage_resized)
-    tracker = AllocatorTracker(recheck_min_bytes=64 * 1024 if row["backend"] == "torch" else sys.maxsize).start()
+    # CUDA's caching allocator, modelled over the step's device storages; our engine reports its in-place resizes
+    tracker = AllocatorTracker(recheck_min_bytes=recheck_min_bytes(resizes_reported=row["backend"] == "shardtune"))
+    tracker.start()
     try:
         record = T.train_step(run, 0, tracker)
     finally:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardtune import accelerator
+from shardtune import accelerator, memory
 from shardtune.plan.hardware import CUDA_CONTEXT
 from shardtune.simulated import device as simulated_device
 from shardtune.simulated.host import host_empty as _host_empty
@@ -145,8 +144,6 @@ def _report_fsdp2_resizes():
     alive to the end of the step. Its two helpers report their resizes while simulating; returns the undo."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
-    from shardtune import memory
-
     saved = (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage)
 
     def reporting(resize):
@@ -188,7 +185,8 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
         init_optimizer_state(run.optimizer)  # the steady state: AdamW's moments exist from the first step on
         # No per-op recheck of every big storage (4x the step's time at 8B): the engine reports each in-place resize
         # (memory.storage_resized / free_storage); FSDP2's through _report_fsdp2_resizes.
-        tracker = AllocatorTracker(host=_is_host, recheck_min_bytes=sys.maxsize, device_limit=limit).start()
+        tracker = AllocatorTracker(host=_is_host, recheck_min_bytes=memory.recheck_min_bytes(resizes_reported=True),
+                                   device_limit=limit).start()
         try:
             run.model.train()
             accelerator.TRACE.clear()
