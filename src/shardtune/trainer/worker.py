@@ -23,8 +23,10 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
             TrainingStopped,
             train,
         )
-    except KeyboardInterrupt:
-        return _interrupted_in_setup(error_file)
+    except BaseException as e:
+        if _interrupted(e):
+            return _interrupted_in_setup(error_file)
+        raise
     one_line_warnings(rank=int(os.environ.get("RANK", "0")), others_to_log=error_file is not None)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     # DCP's own planner warns about its internal ShardedTensor path on every load (4 lines per resume): nothing a
@@ -44,6 +46,8 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
             print(f"shardtune: {e}", file=sys.stderr, flush=True)
         return e.code
     except Exception as e:
+        if _interrupted(e):  # a library turned the setup's KeyboardInterrupt into an error of its own
+            return _interrupted_in_setup(error_file)
         if not isinstance(e, UserError) and not disk_full(e):
             raise
         if not isinstance(e, UserError):  # metrics, final/, the data cache: as the launcher says it
@@ -53,6 +57,21 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     finally:
         _release_process_groups()
     return 0
+
+
+_SETUP_INTERRUPTS: list[int] = []  # SIGINTs received before train() took the signal over
+
+
+def _interrupt_setup(signum: int, frame: object) -> None:
+    """SIGINT while setting up: remembered, then raised as KeyboardInterrupt. Remembered because a library can turn
+    the KeyboardInterrupt into an error of its own as it unwinds (omegaconf, interrupted while building the recipe's
+    schema, re-raises it as an AttributeError), and that must still read as Ctrl-C, not as an internal error."""
+    _SETUP_INTERRUPTS.append(signum)
+    raise KeyboardInterrupt
+
+
+def _interrupted(e: BaseException) -> bool:
+    return isinstance(e, KeyboardInterrupt) or bool(_SETUP_INTERRUPTS)
 
 
 def _interrupted_in_setup(error_file: Path | None) -> int:
@@ -119,18 +138,20 @@ def main() -> None:
     args = parser.parse_args()
     # The agent ignores SIGINT (launcher/agent.py) and its workers inherit that: Ctrl-C must still stop a worker that is
     # setting up. From here to train() (which turns it into a stop at a step boundary) it is one line, exit 130.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _interrupt_setup)
     try:
         if args.error_file is not None:  # started by our launcher, which reports deaths from the ranks' logs
             from shardtune.trainer.worker_deaths import rank_log
 
             _stderr_to_log(rank_log(args.error_file.parent, int(os.environ.get("RANK", "0"))))
         recipe = load_recipe(args.recipe)  # imports torch: seconds in which Ctrl-C may come
-    except UserError as e:
+    except BaseException as e:
+        if _interrupted(e):
+            sys.exit(_interrupted_in_setup(args.error_file))
+        if not isinstance(e, UserError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(_interrupted_in_setup(args.error_file))
     sys.exit(run_worker(recipe, args.error_file))
 
 
