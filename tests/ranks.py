@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 PRELOAD = ("shardtune", "torch", "torch.distributed", "transformers",  # shardtune first: its log filter (quiet_imports)
            "transformers.models.llama.modeling_llama", "shardtune.trainer.train",
-           "matplotlib.figure")  # every run's loss.png (trainer/metrics.py): ~0.7 s of imports per forked run
+           "matplotlib.figure", "tests.bf16_gemm")  # every run's loss.png (trainer/metrics.py): ~0.7 s of imports per forked run
 
 
 def start_local_ranks(entry: Callable[..., None], args: tuple, nprocs: int, *, preload: Sequence[str] = PRELOAD) -> None:
