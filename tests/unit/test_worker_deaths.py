@@ -2,6 +2,7 @@
 SIGKILL through the CLI: tests/integration/test_checkpoint.py."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -92,12 +93,42 @@ def test_ctrl_c_while_the_worker_opens_its_log_is_one_line(tmp_path, monkeypatch
     error_file = tmp_path / "logs" / ".user_error"
     error_file.parent.mkdir()  # the launcher makes it
     monkeypatch.setattr(worker, "_stderr_to_log", interrupted)
-    monkeypatch.setattr(sys, "argv", ["worker", str(tmp_path / "recipe.yaml"), f"--error-file={error_file}"])
+    assert _worker_main_exit(monkeypatch, str(tmp_path / "recipe.yaml"), f"--error-file={error_file}") == 130
+    assert (tmp_path / "logs" / ".exit_code").read_text().startswith("130\ninterrupted (Ctrl-C, SIGINT) before")
+
+
+@pytest.mark.parametrize("unwinds_as", [KeyboardInterrupt, AttributeError])
+def test_ctrl_c_while_loading_the_recipe_is_one_line(monkeypatch, capsys, unwinds_as):
+    """A real SIGINT while the recipe loads: exit 130 and the one line, also when a library turns the
+    KeyboardInterrupt into an error of its own as it unwinds (omegaconf did: an AttributeError out of its schema
+    building, which the launcher reported as an internal error; test_checkpoint's ctrl-c-in-setup case caught it)."""
+    def load_recipe(path: str):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, delivered at the next bytecode
+            for _ in range(1000):
+                pass
+        except KeyboardInterrupt:
+            if unwinds_as is KeyboardInterrupt:
+                raise
+            raise AttributeError("'NoneType' object has no attribute '_invalidate_flags_cache'") from None
+        raise AssertionError("SIGINT was not delivered")
+
+    monkeypatch.setattr(worker, "load_recipe", load_recipe)
+    monkeypatch.setenv("RANK", "0")
+    assert _worker_main_exit(monkeypatch, "recipe.yaml") == 130
+    assert capsys.readouterr().err.strip() == (
+        "shardtune: interrupted (Ctrl-C, SIGINT) before the first step; checkpoint: none")
+
+
+def _worker_main_exit(monkeypatch, *argv: str) -> int:
+    """`python -m shardtune.trainer.worker ARGV` in this process: its exit code; this process's SIGINT handling as
+    it was."""
+    monkeypatch.setattr(sys, "argv", ["worker", *argv])
     before = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(SystemExit) as stopped:
             worker.main()
     finally:
         signal.signal(signal.SIGINT, before)
-    assert stopped.value.code == 130
-    assert (tmp_path / "logs" / ".exit_code").read_text().startswith("130\ninterrupted (Ctrl-C, SIGINT) before")
+        worker._SETUP_INTERRUPTS.clear()
+    return stopped.value.code
