@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.trainer import worker
+from shardtune.trainer.signals import SETUP_INTERRUPTS, StopRequest
 from shardtune.trainer.worker_deaths import EXIT_WORKER_DIED, describe, rank_log
 
 PEER_LOST = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: [pair.cc:553] "
@@ -130,5 +131,19 @@ def _worker_main_exit(monkeypatch, *argv: str) -> int:
             worker.main()
     finally:
         signal.signal(signal.SIGINT, before)
-        worker._SETUP_INTERRUPTS.clear()
+        SETUP_INTERRUPTS.clear()
     return stopped.value.code
+
+
+def test_a_setup_ctrl_c_that_a_library_swallowed_still_stops_the_run():
+    """The interrupt was recorded but never reached the worker's except clause: training's stop request starts
+    out as SIGINT, so every rank agrees to stop at the first step boundary (exit 130 and its line)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        assert StopRequest().signum is None
+        SETUP_INTERRUPTS.append(signal.SIGINT)
+        assert StopRequest().signum == signal.SIGINT
+    finally:
+        SETUP_INTERRUPTS.clear()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

@@ -24,9 +24,15 @@ def stop_message(signum: int | None, step: int, checkpoint: str) -> tuple[str, i
     return f"stopped by signal {name} {when}; checkpoint: {checkpoint}", EXIT_PREEMPTED
 
 
+# SIGINTs a worker received while setting up (trainer/worker.py records them). One that a library swallowed on the
+# way (a KeyboardInterrupt raised inside a finalizer is printed and dropped) is still Ctrl-C: the run stops at its
+# first step boundary, with the other ranks, instead of training on.
+SETUP_INTERRUPTS: list[int] = []
+
+
 class StopRequest:
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self.signum: int | None = SETUP_INTERRUPTS[-1] if SETUP_INTERRUPTS else None
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 

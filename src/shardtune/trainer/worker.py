@@ -13,6 +13,7 @@ from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe
 from shardtune.disk import disk_full, no_space_line
 from shardtune.errors import UserError
+from shardtune.trainer.signals import SETUP_INTERRUPTS
 from shardtune.voice import one_line_warnings
 
 
@@ -59,19 +60,17 @@ def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     return 0
 
 
-_SETUP_INTERRUPTS: list[int] = []  # SIGINTs received before train() took the signal over
-
-
 def _interrupt_setup(signum: int, frame: object) -> None:
     """SIGINT while setting up: remembered, then raised as KeyboardInterrupt. Remembered because a library can turn
     the KeyboardInterrupt into an error of its own as it unwinds (omegaconf, interrupted while building the recipe's
-    schema, re-raises it as an AttributeError), and that must still read as Ctrl-C, not as an internal error."""
-    _SETUP_INTERRUPTS.append(signum)
+    schema, re-raises it as an AttributeError), and that must still read as Ctrl-C, not as an internal error; one
+    swallowed altogether stops the run at its first step boundary (trainer/signals.py)."""
+    SETUP_INTERRUPTS.append(signum)
     raise KeyboardInterrupt
 
 
 def _interrupted(e: BaseException) -> bool:
-    return isinstance(e, KeyboardInterrupt) or bool(_SETUP_INTERRUPTS)
+    return isinstance(e, KeyboardInterrupt) or bool(SETUP_INTERRUPTS)
 
 
 def _interrupted_in_setup(error_file: Path | None) -> int:
