@@ -13,7 +13,7 @@ from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe
 from shardtune.disk import disk_full, no_space_line
 from shardtune.errors import UserError
-from shardtune.trainer.signals import SETUP_INTERRUPTS
+from shardtune.trainer.signals import SETUP_INTERRUPTS, stop_message
 from shardtune.voice import one_line_warnings
 
 
@@ -74,8 +74,6 @@ def _interrupted(e: BaseException) -> bool:
 
 
 def _interrupted_in_setup(error_file: Path | None) -> int:
-    from shardtune.trainer.signals import stop_message
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's forwarded copy must not interrupt this
     message, code = stop_message(signal.SIGINT, 0, "none")
     if error_file is not None or int(os.environ.get("RANK", "0")) == 0:
