@@ -2,9 +2,10 @@
 hint plus one error naming the offending argument, exit 2, never a traceback; recipe-level errors are one line;
 `--help` of every command and `--version` exit 0; Ctrl-C is one line, exit 130.
 
-Run through the real entry point (not in-process) on purpose: a CLI-library release that changes how errors
-reach `cli.main()` (typer 0.29 stopped raising the separate `click` package's exceptions) turns these red.
-All invocations start at once in a thread pool (each is a ~0.5 s process start, mostly waiting on imports).
+Usage errors, --help and --version run through the real entry point (not in-process) on purpose: a CLI-library
+release that changes how errors reach `cli.main()` (typer 0.29 stopped raising the separate `click` package's
+exceptions) turns these red. They start at once in a thread pool (each is a ~0.5 s process start). The recipe errors
+run the same `main()` forked from the suite's preloaded server (runs.py forked_cli): most build the model on meta.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.integration.runs import forked_cli
 
 EXE = Path(sys.executable).with_name("shardtune")
 # Wide, plain output: typer's rich error box must not wrap the argument name across lines.
@@ -70,20 +73,22 @@ RECIPE_ERRORS: list[tuple[list[str], str]] = [
 COMMANDS = ["train", "validate", "plan", "slurm", "export", "recipes", "prepare"]
 HELP = [[], ["--help"], *([c, "--help"] for c in COMMANDS)]
 
-ALL = USAGE_ERRORS + PREPARE_USAGE_ERRORS + RECIPE_ERRORS
-
-
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([str(EXE), *argv], capture_output=True, text=True, timeout=180, env=ENV)
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+def results(tmp_path_factory) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     if not EXE.is_file():
         pytest.fail(f"{EXE} is missing: install the project (`make install`) so the entry point exists")
-    argvs = [argv for argv, _ in ALL] + HELP + [["--version"]]
+    argvs = [argv for argv, _ in USAGE_ERRORS + PREPARE_USAGE_ERRORS] + HELP + [["--version"]]
     with ThreadPoolExecutor(max_workers=6) as pool:
-        return dict(zip(map(tuple, argvs), pool.map(_run, argvs)))
+        out = dict(zip(map(tuple, argvs), pool.map(_run, argvs)))
+    # Recipe errors are what validate computes, several by building the model on meta (~8 CPU-s of imports in a
+    # fresh interpreter): the same main(), forked from the suite's preloaded server. The executable's own
+    # one-line refusal of a recipe value is tests/integration/test_installed_executable.py's.
+    cwd = tmp_path_factory.mktemp("recipe_errors")
+    return out | {tuple(argv): forked_cli(*argv, cwd=cwd) for argv, _ in RECIPE_ERRORS}
 
 
 def _error_part(output: str) -> str:
