@@ -1,4 +1,4 @@
-"""bf16 matrix products on this suite's CPUs as a GPU computes them, at fp32 GEMM speed: inputs widened to fp32
+"""bf16 matrix products and attention on this suite's CPUs as a GPU computes them, at fp32 GEMM speed: inputs widened to fp32
 (exact), one fp32 GEMM (fp32 accumulation), the result rounded to bf16 once. Imported by the rank server
 (tests/ranks.py), so every forked rank has it; CLI runs keep torch's own kernels.
 
@@ -9,6 +9,15 @@ product and accumulates in fp32 before rounding once (cuBLAS's bf16 GEMM does to
 differ. Registered for the CPU dispatch key below autograd and below any TorchDispatchMode, so what a memory
 tracker sees (the op and its bf16 output) is unchanged; the fp32 temporaries live inside the kernel, as ATen's own
 workspace would. Other dtypes go to the same ops' `.out` kernels, which are untouched.
+
+SDPA's CPU flash-attention kernels (forward and backward) likewise: the bf16 backward is ~6x slower than the fp32
+one (a causal 2,900-token document, 4 heads of 32: 0.98 s against 0.16 s widened) and dominated the seq-8192 bf16
+rows of the plan-accuracy test. Those ops have no `.out` overload to reach the original kernel from a replacement, so
+these are registered one dispatch key higher, at BackendSelect (below autograd and TorchDispatchMode, above every
+backend; always in the dispatch key set): bf16 CPU inputs are widened and redispatched to the CPU kernel, the results
+rounded once (what the bf16 kernel's fp32 accumulation does, except that its probabilities are rounded to bf16 before
+the product with V, which here they are not); any other dtype or device (meta, in the simulated GPU's ranks) goes on
+to its own kernel unchanged.
 """
 from __future__ import annotations
 
@@ -61,7 +70,49 @@ def _baddbmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha
                                                       out=o))
 
 
+_AFTER_BACKEND_SELECT = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _below(*tensors: torch.Tensor) -> torch._C.DispatchKeySet:
+    """The dispatch keys after BackendSelect of these tensors: where the call goes on to."""
+    keys = torch._C._dispatch_keys(tensors[0])
+    for t in tensors[1:]:
+        keys = keys | torch._C._dispatch_keys(t)
+    return keys & _AFTER_BACKEND_SELECT
+
+
+def _cpu_bf16(*tensors: torch.Tensor | None) -> bool:
+    present = [t for t in tensors if t is not None]
+    return all(t.device.type == "cpu" for t in present) and _wide(*present)
+
+
+def _wider(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+def _flash(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    if not _cpu_bf16(q, k, v, attn_mask):
+        return _FLASH.redispatch(_below(q, k, v), q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    out, logsumexp = _FLASH.redispatch(_below(q, k, v), q.float(), k.float(), v.float(), dropout_p, is_causal,
+                                       attn_mask=_wider(attn_mask), scale=scale)
+    return out.to(_BF16), logsumexp  # logsumexp is fp32 for bf16 inputs too
+
+
+def _flash_backward(grad, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    keys = _below(grad, q, k, v, out)
+    if not _cpu_bf16(grad, q, k, v, out, attn_mask):
+        return _FLASH_BACKWARD.redispatch(keys, grad, q, k, v, out, logsumexp, dropout_p, is_causal,
+                                          attn_mask=attn_mask, scale=scale)
+    grads = _FLASH_BACKWARD.redispatch(keys, *(t.float() for t in (grad, q, k, v, out)), logsumexp, dropout_p,
+                                       is_causal, attn_mask=_wider(attn_mask), scale=scale)
+    return tuple(g.to(_BF16) for g in grads)
+
+
 with warnings.catch_warnings():  # torch says, once, that a kernel is overridden: that is the point
     warnings.simplefilter("ignore", UserWarning)
     for _name, _kernel in (("mm", _mm), ("bmm", _bmm), ("addmm", _addmm), ("baddbmm", _baddbmm)):
         _LIB.impl(_name, _kernel, "CPU")
+    _LIB.impl("_scaled_dot_product_flash_attention_for_cpu", _flash, "BackendSelect")
+    _LIB.impl("_scaled_dot_product_flash_attention_for_cpu_backward", _flash_backward, "BackendSelect")
