@@ -33,42 +33,33 @@ _BF16 = torch.bfloat16
 
 def _wide(*tensors: torch.Tensor) -> bool:
     """All bf16: the products to widen (mixed dtypes go to the `.out` kernels, which refuse them as ATen does)."""
-    return all(t.dtype == _BF16 for t in tensors)
+    return all(t.dtype is _BF16 for t in tensors)
 
 
-def _rounded(out_shape: tuple[int, ...], compute) -> torch.Tensor:
-    wide = torch.empty(out_shape, dtype=torch.float32)
-    compute(wide)
-    return wide.to(_BF16)
-
-
+# The products below see every CPU matmul of a forked rank, fp32 ones too (most of them): those take the shortest
+# path to the untouched kernel, one `torch.<op>(..., out=)` call (~10 us over the native call on a small product).
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    shape = (a.shape[0], b.shape[1])
-    if not _wide(a, b):
-        return aten.mm.out(a, b, out=torch.empty(shape, dtype=a.dtype))
-    return _rounded(shape, lambda o: aten.mm.out(a.float(), b.float(), out=o))
+    if a.dtype is not _BF16 or b.dtype is not _BF16:
+        return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
+    return torch.mm(a.float(), b.float()).to(_BF16)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    shape = (a.shape[0], a.shape[1], b.shape[2])
-    if not _wide(a, b):
-        return aten.bmm.out(a, b, out=torch.empty(shape, dtype=a.dtype))
-    return _rounded(shape, lambda o: aten.bmm.out(a.float(), b.float(), out=o))
+    if a.dtype is not _BF16 or b.dtype is not _BF16:
+        return torch.bmm(a, b, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
+    return torch.bmm(a.float(), b.float()).to(_BF16)
 
 
 def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    shape = (a.shape[0], b.shape[1])
     if not _wide(c, a, b):
-        return aten.addmm.out(c, a, b, beta=beta, alpha=alpha, out=torch.empty(shape, dtype=a.dtype))
-    return _rounded(shape, lambda o: aten.addmm.out(c.float(), a.float(), b.float(), beta=beta, alpha=alpha, out=o))
+        return torch.addmm(c, a, b, beta=beta, alpha=alpha, out=a.new_empty((a.shape[0], b.shape[1])))
+    return torch.addmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(_BF16)
 
 
 def _baddbmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    shape = (a.shape[0], a.shape[1], b.shape[2])
     if not _wide(c, a, b):
-        return aten.baddbmm.out(c, a, b, beta=beta, alpha=alpha, out=torch.empty(shape, dtype=a.dtype))
-    return _rounded(shape, lambda o: aten.baddbmm.out(c.float(), a.float(), b.float(), beta=beta, alpha=alpha,
-                                                      out=o))
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
+    return torch.baddbmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(_BF16)
 
 
 _AFTER_BACKEND_SELECT = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
