@@ -6,8 +6,8 @@ build the model on meta, through the CLI's main forked from the suite's preloade
 Cost: `prepare` and `train` run on every refused input alone (each refuses before torch loads, in ~0.3 s; train in
 its launcher, before a worker starts). `validate` runs once over all the refused files as one mix (it reports every
 entry's problem, one line each) and alone on each bad recipe value. The accepted inputs run as one mix through
-validate, prepare and a 1-step train on one worker (a mix is refused when any of its entries is, so accepting it
-accepts each).
+validate, prepare (forked) and a 1-step train on one worker through the executable (a mix is refused when any of its
+entries is, so accepting it accepts each).
 """
 from __future__ import annotations
 
@@ -130,8 +130,9 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\\n{% endfor %}"
 def test_the_accepted_inputs_are_accepted_by_all_three(corpus):
     tmp, recipe = corpus
     mix = _mix(tmp, {n: fmt for n, (_, fmt) in ACCEPTED.items()})
-    for cmd in ("validate", "prepare", "train"):
-        proc = cli(cmd, str(recipe), mix, f"data.template={TEMPLATE}", f"model.chat_template={CHAT_TEMPLATE}",
+    # validate and prepare compute (the CLI's main, forked from the preloaded server); train through the executable
+    for cmd, run in (("validate", forked_cli), ("prepare", forked_cli), ("train", cli)):
+        proc = run(cmd, str(recipe), mix, f"data.template={TEMPLATE}", f"model.chat_template={CHAT_TEMPLATE}",
                    cwd=tmp)
         assert proc.returncode == 0, f"{cmd}:\n{proc.stderr[-3000:]}"
     first_rows = (tmp / "run" / "metrics.jsonl").read_text().splitlines()
