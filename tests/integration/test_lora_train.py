@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from shardtune.config.load import load_recipe
 from shardtune.model.build import build_model
 from tests.integration import forked
-from tests.integration.runs import FAST, cli, forked_cli, losses
+from tests.integration.runs import FAST, forked_cli, losses
 
 
 def overrides(run_dir: Path, *extra: str) -> list[str]:
@@ -126,10 +126,10 @@ def test_export_never_overwrites_without_force(reference, tmp_path):
     (out / "model.safetensors").write_bytes(b"the base model the run started from")
     (out / "notes.txt").write_text("mine")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    proc = cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
+    proc = forked_cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--force" in proc.stderr, proc.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    proc = cli("export", str(reference / "checkpoints"), str(out), "--force", cwd=tmp_path)
+    proc = forked_cli("export", str(reference / "checkpoints"), str(out), "--force", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "adapter_model.safetensors").is_file() and (out / "notes.txt").read_text() == "mine"
     assert not (out / "model.safetensors").exists()  # no stale model file beside the adapter
