@@ -8,17 +8,19 @@ from typing import TYPE_CHECKING
 
 from shardtune.config.schema import ModelConfig, Recipe
 from shardtune.errors import UserError
+from shardtune.startup import imports_without_gc
 
 if TYPE_CHECKING:  # the launcher loads transformers only when validate builds the model
     from transformers import PretrainedConfig
 
 
 def recipe_problems(recipe: Recipe) -> list[str]:
-    from shardtune.data.check import data_problems
-    from shardtune.model.build import build_tokenizer, check_vocab, load_config
-    from shardtune.model.moe_checks import model_problems
-    from shardtune.plan.model_limits import seq_len_problem
-    from shardtune.trainer.trackers import tracker_problems
+    with imports_without_gc():
+        from shardtune.data.check import data_problems
+        from shardtune.model.build import build_tokenizer, check_vocab, load_config
+        from shardtune.model.moe_checks import model_problems
+        from shardtune.plan.model_limits import seq_len_problem
+        from shardtune.trainer.trackers import tracker_problems
 
     t = recipe.train
     problems = tracker_problems(t.report_to)

@@ -13,6 +13,7 @@ from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe
 from shardtune.disk import disk_full, no_space_line
 from shardtune.errors import UserError
+from shardtune.startup import imports_without_gc
 from shardtune.trainer.signals import SETUP_INTERRUPTS, stop_message
 from shardtune.voice import one_line_warnings
 
@@ -20,10 +21,11 @@ from shardtune.voice import one_line_warnings
 def run_worker(recipe: Recipe, error_file: Path | None = None) -> int:
     """Train; a user error is printed (one line), or written to `error_file` when the launcher will print it."""
     try:
-        from shardtune.trainer.train import (  # torch, transformers: seconds in which Ctrl-C may come
-            TrainingStopped,
-            train,
-        )
+        with imports_without_gc():
+            from shardtune.trainer.train import (  # torch, transformers: seconds in which Ctrl-C may come
+                TrainingStopped,
+                train,
+            )
     except BaseException as e:
         if _interrupted(e):
             return _interrupted_in_setup(error_file)
@@ -141,7 +143,8 @@ def main() -> None:
             from shardtune.trainer.worker_deaths import rank_log
 
             _stderr_to_log(rank_log(args.error_file.parent, int(os.environ.get("RANK", "0"))))
-        recipe = load_recipe(args.recipe)  # imports torch: seconds in which Ctrl-C may come
+        with imports_without_gc():
+            recipe = load_recipe(args.recipe)  # imports torch: seconds in which Ctrl-C may come
     except BaseException as e:
         if _interrupted(e):
             sys.exit(_interrupted_in_setup(args.error_file))
