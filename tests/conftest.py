@@ -15,12 +15,13 @@ UNIT = Path(__file__).parent / "unit"
 # out files by their number of tests instead. Order only; every file keeps its tests together and in order.
 COSTLIEST_FIRST = ["slurm/test_slurm_job.py", "integration/test_checkpoint.py", "integration/test_plan_accuracy.py",
                    "simulated/test_matrix.py", "distributed/test_vocab_parallel.py", "integration/test_hub.py",
-                   "integration/test_qlora_train.py", "simulated/test_recipe_syncs.py",
-                   "integration/test_malformed_inputs.py", "distributed/test_moe.py", "integration/test_cli_train.py",
-                   "integration/test_cli_usage.py", "simulated/test_plan_simulate.py", "distributed/test_parity.py",
-                   "integration/test_moe_train.py", "integration/test_dpo_train.py", "integration/test_own_data.py",
+                   "integration/test_qlora_train.py", "distributed/test_moe.py", "simulated/test_recipe_syncs.py",
+                   "integration/test_cli_train.py", "integration/test_malformed_inputs.py",
+                   "simulated/test_plan_simulate.py", "distributed/test_parity.py", "integration/test_moe_train.py",
+                   "integration/test_dpo_train.py", "integration/test_own_data.py",
                    "integration/test_installed_executable.py", "integration/test_lora_train.py",
-                   "distributed/test_dpo.py", "integration/test_generate.py", "distributed/test_lora.py"]
+                   "distributed/test_dpo.py", "integration/test_generate.py", "distributed/test_lora.py",
+                   "integration/test_cli_usage.py"]
 
 
 def _cost_rank(item) -> int:
