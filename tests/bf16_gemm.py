@@ -1,5 +1,5 @@
-"""bf16 matrix products and attention on this suite's CPUs as a GPU computes them, at fp32 GEMM speed: inputs widened to fp32
-(exact), one fp32 GEMM (fp32 accumulation), the result rounded to bf16 once. Imported by the rank server
+"""bf16 matrix products and attention on this suite's CPUs as a GPU computes them, at fp32 speed: inputs widened
+to fp32 (exact), one fp32 GEMM (fp32 accumulation), the result rounded to bf16 once. Imported by the rank server
 (tests/ranks.py), so every forked rank has it; CLI runs keep torch's own kernels.
 
 Why: on a CPU without AVX-512 BF16 (these 2-core AMD machines: AVX2 only), ATen's bf16 GEMM is a scalar fallback,
@@ -10,15 +10,15 @@ differ. Registered for the CPU dispatch key below autograd and below any TorchDi
 tracker sees (the op and its bf16 output) is unchanged; the fp32 temporaries live inside the kernel, as ATen's own
 workspace would. Other dtypes go to the same ops' `.out` kernels, which are untouched.
 
-SDPA's CPU flash-attention kernels (forward and backward) and the experts' `_grouped_mm` likewise (bf16 grouped
-products: ~40x slower than fp32 on these CPUs, 1,024 rows by 8 experts of 256x512: 206 ms against 5.4 ms): the bf16 backward is ~6x slower than the fp32
-one (a causal 2,900-token document, 4 heads of 32: 0.98 s against 0.16 s widened) and dominated the seq-8192 bf16
-rows of the plan-accuracy test. Those ops have no `.out` overload to reach the original kernel from a replacement, so
-these are registered one dispatch key higher, at BackendSelect (below autograd and TorchDispatchMode, above every
-backend; always in the dispatch key set): bf16 CPU inputs are widened and redispatched to the CPU kernel, the results
-rounded once (what the bf16 kernel's fp32 accumulation does, except that its probabilities are rounded to bf16 before
-the product with V, which here they are not); any other dtype or device (meta, in the simulated GPU's ranks) goes on
-to its own kernel unchanged.
+SDPA's CPU flash-attention kernels (forward and backward) and the experts' `_grouped_mm` likewise. In bf16 on
+these CPUs the attention backward of a causal 2,900-token document (4 heads of 32) takes 0.98 s against 0.16 s
+widened, and a grouped product of 1,024 rows by 8 experts of 256x512 206 ms against 5.4 ms in fp32; they dominated
+the bf16 rows of the plan-accuracy test. Those ops have no `.out` overload through which a replacement could reach
+the original kernel, so these are registered one dispatch key higher, at BackendSelect (below autograd and any
+TorchDispatchMode, above every backend; always in the dispatch key set): bf16 CPU inputs are widened and redispatched
+to the CPU kernel, the results rounded once (as the bf16 kernel's fp32 accumulation does, except that it rounds the
+attention probabilities to bf16 before the product with V, which here they are not); any other dtype or device
+(meta, on the simulated GPU's ranks) goes on to its own kernel unchanged.
 """
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ def _wide(*tensors: torch.Tensor) -> bool:
 # The products below see every CPU matmul of a forked rank, fp32 ones too (most of them): those take the shortest
 # path to the untouched kernel, one `torch.<op>(..., out=)` call (~10 us over the native call on a small product).
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.dtype is not _BF16 or b.dtype is not _BF16:
+    if not _wide(a, b):
         return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
     return torch.mm(a.float(), b.float()).to(_BF16)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.dtype is not _BF16 or b.dtype is not _BF16:
+    if not _wide(a, b):
         return torch.bmm(a, b, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
     return torch.bmm(a.float(), b.float()).to(_BF16)
 
