@@ -37,9 +37,7 @@ def _timed_worker(rank: int, world: int, port: int, jobs: list) -> None:
 def main(world: int) -> None:
     import tempfile
 
-    cases = [c for c in (accuracy.default_grid() + accuracy.demo_grid(subset=True) + accuracy.qlora_grid()
-                         + accuracy.dpo_grid() + accuracy.vocab_grid(subset=True) + accuracy.long_context_grid()
-                         + accuracy.moe_grid()) if c.world == world]  # the test's rows, in its order
+    cases = [c for _, rows in accuracy.suite_tables() for c in rows if c.world == world]  # the test's, in order
     accuracy._worker = _timed_worker  # measure() starts its ranks with the module's _worker
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()

@@ -227,6 +227,14 @@ def long_context_grid() -> list[Case]:
               for name, world, extra in CP_GRID)]
 
 
+def suite_tables() -> list[tuple[str, list[Case]]]:
+    """The tables tests/integration/test_plan_accuracy.py runs, in its order: (title, rows). bench/plan_accuracy_cost.py
+    times the same rows."""
+    return [("validation grid", default_grid()), ("demo recipes", demo_grid(subset=True)), ("QLoRA", qlora_grid()),
+            ("DPO", dpo_grid()), ("chunked loss / tiled NF4", vocab_grid(subset=True)), ("seq 8192", long_context_grid()),
+            ("mixture of experts", moe_grid())]
+
+
 def _long_docs_file(workdir: Path, chars: int = 0) -> Path:
     return workdir / f"long_docs_{chars or LONG_DOC_CHARS}.jsonl"
 

@@ -12,55 +12,40 @@ from tests.plan_accuracy import (
     DEMO_RECIPES,
     DEMO_STRATEGIES,
     DEMO_WORLDS,
-    default_grid,
-    demo_grid,
-    dpo_grid,
-    long_context_grid,
-    moe_grid,
-    qlora_grid,
     run,
-    vocab_grid,
+    suite_tables,
 )
 
 
 def test_plan_predicts_measured_peak_within_5_percent(tmp_path) -> None:
-    cases = default_grid()
+    parts = suite_tables()
+    cases, demo, qlora, dpo, vocab, long, moe = (rows for _, rows in parts)
     assert len(cases) >= 12 and {c.world for c in cases} == {1, 2, 4}
     # The demo recipes as shipped (issue 12): a subset covering every recipe, micro-batch, strategy and world size
     # (the full product is bench/plan_accuracy.py --demo). Same spawns as the grid: ~+20 s.
-    demo = demo_grid(subset=True)
     covered = [{c.recipe for c in demo}, {o for c in demo for o in c.overrides}, {c.world for c in demo}]
     assert covered[0] == set(DEMO_RECIPES) and set(DEMO_WORLDS) == covered[2]
     assert {f"train.micro_batch_size={m}" for m in DEMO_MICRO_BATCHES} | {f"engine.strategy={s}" for s in
                                                                            DEMO_STRATEGIES} <= covered[1]
     # QLoRA (issue 11): NF4 byte buffers, gathered NF4 units, the dequantization transient; world 1/2/4 x
     # checkpointing on/off x bf16/fp32. All three tables share one spawn per world size.
-    qlora = qlora_grid()
     assert len(qlora) >= 6 and {c.world for c in qlora} == {1, 2, 4}
     # DPO (issue 24): 2 x micro-batch rows per forward, precomputed reference (full) / adapters-off forward (LoRA).
-    dpo = dpo_grid()
     assert {c.world for c in dpo} == {1, 2} and any("lora" in c.name for c in dpo)
     # Chunked loss and tiled NF4 (issue 21), each on and off, world 1/2/4 (an 8k vocabulary; the 32k table is
     # bench/plan_accuracy.py --vocab).
-    vocab = vocab_grid(subset=True)
     on_off = [any(f"{k}=0" in o for o in c.overrides) for c in vocab for k in ("train.loss_chunk_tokens",)]
     assert len(vocab) >= 6 and any(on_off) and not all(on_off) and {c.world for c in vocab} == {1, 2, 4}
     # Long context: seq 8,192 on packed long documents, checkpointing, activation offloading, 1 and 2 ranks.
-    long = long_context_grid()
     assert len(long) >= 6 and all("data.seq_len=8192" in c.overrides for c in long)
     # Mixture of experts: every expert's params, routed tokens' activations, NF4 experts, expert adapters.
-    moe = moe_grid()
     assert len(moe) >= 4 and {c.arch for c in moe} == {"moe"}
-    rows = run(cases + demo + qlora + dpo + vocab + long + moe, tmp_path)
-    tables = []
-    n, m, q, d = (len(cases), len(cases) + len(demo), len(cases) + len(demo) + len(qlora),
-                  len(cases) + len(demo) + len(qlora) + len(dpo))
-    v = d + len(vocab)
-    for title, part in (("validation grid", rows[:n]), ("demo recipes", rows[n:m]), ("QLoRA", rows[m:q]),
-                        ("DPO", rows[q:d]), ("chunked loss / tiled NF4", rows[d:v]),
-                        ("seq 8192", rows[v:v + len(long)]), ("mixture of experts", rows[v + len(long):])):
+    rows = run([c for _, part in parts for c in part], tmp_path)
+    tables, start = [], 0
+    for title, part in parts:
+        got, start = rows[start:start + len(part)], start + len(part)
         tables.append(f"{title}:\n" + "\n".join(f"{r['name']:<40} predicted {r['predicted']:>11,} measured "
-                                                f"{r['measured']:>11,} {r['error']:+.1%}" for r in part))
+                                                f"{r['measured']:>11,} {r['error']:+.1%}" for r in got))
     print("\n\n".join(tables))
     # Under-prediction (an OOM the plan said would fit) stays within 5 %. Over-prediction within 6 %: the LoRA row
     # "w2 full_shard bf16 mb1 s256 lora" reads +5.3 %: the plan charges every packed row the per-document attention's
