@@ -25,10 +25,11 @@ demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
 # Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once).
-# 1,058 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine (2026-11-30, 02:06; 1,014-1,087 s the
-# evening before; stop 49's suite read 737 s at 15:20 and 1,049 s at 18:30: the machine's speed varies by a third). CPU-bound (96-99 % busy through a
-# run, bench/RESULTS.md stop 48). --no-loadscope-reorder: files go out in tests/conftest.py's costliest-first order,
-# not by their number of tests (xdist's default, which put the SLURM file's waits anywhere).
+# 635.6 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine (2026-12-04, 09:57); the same
+# suite read 1,058-1,145 s on 2026-11-30: the host's speed moves it by nearly 2x (bench/RESULTS.md stop 53).
+# CPU-bound (96-99 % busy through a run, bench/RESULTS.md stop 48). --no-loadscope-reorder: files go out in
+# tests/conftest.py's costliest-first order, not by their number of tests (xdist's default, which put the SLURM
+# file's waits anywhere).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
