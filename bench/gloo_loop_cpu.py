@@ -6,7 +6,8 @@ between 2 local ranks:
 Why: a perf profile of the whole suite (bench/RESULTS.md, stop 53) put ~4 % of its CPU in threads named
 `gloo_tcp_loop`, gloo's TCP event loop, calling epoll_wait ~270,000 times a second across the machine. This measures
 that cost outside the suite: each rank runs OPS all-reduces of a given size back to back, and reports the CPU its
-threads spent (main thread, gloo's loop, the process group's work threads) and the wall time, per op. The loop is
+threads spent (main thread, gloo's loop, the process group's work threads) and the wall time, per op; the larger
+sizes run fewer ops (OPS x 16 Ki / size, at least 10). The loop is
 gloo's code (torch's bundled build), not ours; the figure says how much a test pays per collective.
 """
 from __future__ import annotations
@@ -19,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from process_cpu import cpu_seconds  # bench/, on the path of this script and of its spawned ranks
 
-TICK = os.sysconf("SC_CLK_TCK")
 SIZES = {"4 floats": 4, "64 Ki floats": 1 << 16, "4 Mi floats": 1 << 22}
 
 
@@ -30,11 +31,10 @@ def thread_cpu() -> dict[str, float]:
     task = f"/proc/{os.getpid()}/task"
     for tid in os.listdir(task):
         try:
-            name = open(f"{task}/{tid}/comm").read().strip()
-            fields = open(f"{task}/{tid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
+            name, cpu = open(f"{task}/{tid}/comm").read().strip(), cpu_seconds(f"{task}/{tid}/stat")
+        except OSError:  # the thread ended between listing and reading
             continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+        out[name] = out.get(name, 0.0) + cpu
     return out
 
 
@@ -43,7 +43,7 @@ def _rank(rank: int, port: int, ops: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     for label, numel in SIZES.items():
         x = torch.ones(numel)
-        n = max(ops * 4 // max(1, numel >> 14), 10)  # fewer of the big ones
+        n = max(ops * (1 << 14) // max(numel, 1 << 14), 10)  # fewer of the big ones
         dist.all_reduce(x)  # connect the pairs first
         before, t0 = thread_cpu(), time.perf_counter()
         for _ in range(n):
@@ -65,4 +65,4 @@ def main(ops: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1000)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2000)

@@ -18,13 +18,18 @@ import time
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds(stat_file: str) -> float:
+    """utime + stime of a /proc/PID/stat or /proc/PID/task/TID/stat file (fields 14, 15), in seconds."""
+    fields = open(stat_file).read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def _reading(pid: str) -> tuple[str, float] | None:
     try:
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return cmdline.strip(), cpu_seconds(f"/proc/{pid}/stat")
     except OSError:  # gone between listing and reading
         return None
-    return cmdline.strip(), (int(fields[11]) + int(fields[12])) / TICK  # utime, stime (fields 14, 15 of stat)
 
 
 def main(cmd: list[str]) -> None:
