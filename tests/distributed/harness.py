@@ -55,10 +55,13 @@ PRELOAD = [*ranks.PRELOAD, "transformers.models.qwen2.modeling_qwen2", "peft", "
 def run_distributed(fn: Callable[..., None], world_size: int, settings: list[dict[str, Any]] | None = None,
                     *, timeout_s: float = 120.0) -> None:
     """Run `fn(**s)` for each s in `settings` on `world_size` ranks. `fn` must be importable (module level)."""
+    cuda = any(str(s.get("device", "")).startswith("cuda") for s in settings or [])
     with tempfile.TemporaryDirectory() as tmp:
-        start_ranks(_worker, (world_size, os.path.join(tmp, "store"), fn, settings or [{}], timeout_s), world_size)
+        start_ranks(_worker, (world_size, os.path.join(tmp, "store"), fn, settings or [{}], timeout_s), world_size,
+                    cuda=cuda)
 
 
-def start_ranks(entry: Callable[..., None], args: tuple, nprocs: int) -> None:
-    """`entry(rank, *args)` in `nprocs` processes forked from the preloaded server; raises if any rank fails."""
-    ranks.start_local_ranks(entry, args, nprocs, preload=PRELOAD)
+def start_ranks(entry: Callable[..., None], args: tuple, nprocs: int, *, cuda: bool = False) -> None:
+    """`entry(rank, *args)` in `nprocs` processes forked from the preloaded server (spawned when `cuda`); raises if
+    any rank fails."""
+    ranks.start_local_ranks(entry, args, nprocs, preload=PRELOAD, cuda=cuda)

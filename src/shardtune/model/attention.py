@@ -5,14 +5,17 @@ mask, which SDPA turns into a bias per layer and which rules out its flash kerne
 32 GiB per row in bf16). Here every document of a row is attended to by its own `is_causal` SDPA call, so no mask
 is ever built and the fused kernels (flash / memory-efficient on a GPU, flash on the CPU) run.
 
-Why per-document calls, and not the alternatives:
-  - varlen attention (`torch.nn.attention.varlen`, transformers' flash_attention_2 packing): one call over
-    cu_seqlens, but flash-only, CUDA-only (no CPU kernel in torch 2.13): the CPU tests could not check it.
+On a GPU, a packed row goes to varlen attention instead (`torch.nn.attention.varlen.varlen_attn`: flash over
+cu_seqlens, one call per layer for every document of the batch, sliding windows included). Measured on an H200
+(bench/RESULTS.md, stop 54): with one SDPA call per document, a 1B LoRA step on rows of ~97 short documents was
+host-bound at ~2,500 tokens/s, its time in the launch loop. Varlen is flash-only (bf16/fp16, head_dim <= 256, no
+dropout) and has no CPU kernel, so the per-document calls stay for the CPU, fp32 and dropout.
+
+Why per-document calls there, and not the alternatives:
   - flex attention with a document block mask: exact and one call, but fast only when compiled (the eager CPU
     fallback materialises the s x s scores); compiling per shape costs minutes on the 2-core test machine.
   - per-document SDPA: exact on every device, no compile, s^2-free. Cost: one kernel launch per document per layer
-    (and per recompute): a few dozen at long sequences, where each call is large; its output is assembled with one
-    copy (b*s*h, the size of the attention output).
+    (and per recompute); its output is assembled with one copy (b*s*h, the size of the attention output).
 A sliding window (Mistral, Qwen2, Gemma: transformers passes the layer's `sliding_window`, W)
 lets query i see keys i-W+1 .. i. A document no longer than W is plain causal attention; a longer one runs in blocks
 of at most WINDOW_BLOCK queries, each against only the keys its window reaches, under a band bias built once per
@@ -26,11 +29,15 @@ masked from the position ids (attention_mask.cached_attention). Our own decoding
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
+from shardtune import accelerator
 from shardtune.data import packing
 from shardtune.model import context_parallel
 from shardtune.model.attention_mask import (  # NAME: the attn_implementation `sdpa` builds
@@ -60,8 +67,10 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         doc_lengths = packing.doc_lengths(position_ids.expand(b, -1).cpu())
     if (doc_lengths is None or all(len(row) == 1 for row in doc_lengths)) and (window is None or s <= window):
         return _sdpa(query, key, value, scaling, dropout, gqa).transpose(1, 2).contiguous(), None
-    doc_lengths = doc_lengths or [[s]] * b
+    doc_lengths = doc_lengths or ((s,),) * b
     assert len(doc_lengths) == b and all(sum(row) == s for row in doc_lengths), "doc_lengths match the batch"
+    if _varlen_runs(query, dropout):
+        return _varlen(query, key, value, doc_lengths, scaling, window, gqa), None
     band = _Band(window, query) if window is not None and max(map(max, doc_lengths)) > window else None
     rows = []
     # Documents cut out by split, not by indexing: split's backward assembles each input's gradient in one
@@ -82,6 +91,39 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | No
     # Looked up at call time (not bound at import): plan --simulate swaps in the fused kernel's meta twin.
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                           enable_gqa=gqa)
+
+
+def varlen_applies(*, on_gpu: bool, dtype: torch.dtype, head_dim: int, dropout: float) -> bool:
+    """Whether packed rows go to the flash varlen kernel: a GPU (or the simulated one), bf16/fp16, no attention
+    dropout, head_dim flash takes. The plan (plan/estimate.py) asks the same question from the recipe."""
+    return (on_gpu and dtype in (torch.bfloat16, torch.float16) and dropout == 0.0 and head_dim <= 256
+            and head_dim % 8 == 0)
+
+
+def _varlen_runs(query: torch.Tensor, dropout: float) -> bool:
+    return varlen_applies(on_gpu=accelerator.is_accelerator(query.device), dtype=query.dtype,
+                          head_dim=query.shape[-1], dropout=dropout)
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, doc_lengths: packing.DocLengths,
+            scaling: float | None, window: int | None, gqa: bool) -> torch.Tensor:
+    """Every document of every row in one flash call: the rows laid end to end ([b*s, heads, d]), the documents
+    cut by cumulative offsets. Query i sees keys i-W+1 .. i of its document (window_size (W-1, 0)), as `_Band`."""
+    b, h, s, d = query.shape
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value)]
+    offsets, longest = _cu_seqlens(tuple(map(tuple, doc_lengths)), query.device)
+    out = varlen_attn(*flat, offsets, offsets, longest, longest, scale=scaling, enable_gqa=gqa,
+                      window_size=(-1, 0) if window is None else (window - 1, 0))
+    return out.view(b, s, h, d)
+
+
+@functools.lru_cache(maxsize=4)
+def _cu_seqlens(doc_lengths: packing.DocLengths, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The documents' start offsets (and the end) as int32 on `device`, and the longest document. Cached: every
+    layer, its recompute and its backward ask for the same batch's; the copy is pinned and non-blocking (no sync)."""
+    lengths = [n for row in doc_lengths for n in row]
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return accelerator.to_device(offsets, device), max(lengths)
 
 
 WINDOW_BLOCK = 1024  # queries per block of a windowed document: the bias is WINDOW_BLOCK x (WINDOW_BLOCK + W - 1)

@@ -57,4 +57,4 @@ def config_namespace(raw: dict) -> SimpleNamespace:
                            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                            sliding_window=raw.get("sliding_window"),
                            use_sliding_window=raw.get("use_sliding_window", True),
-                           layer_types=raw.get("layer_types"))
+                           layer_types=raw.get("layer_types"), attention_dropout=raw.get("attention_dropout", 0.0))

@@ -5,6 +5,8 @@ A step is walked as a few phases; each phase lists what is alive, by category, a
                  (flattened, shifted) and log_softmax's fp32 output
   loss-backward  same, but the CE tail is log_softmax output + its gradient + the gradient of its input (3 fp32
                  b·(s-1)·V tensors): usually the peak for large vocabularies
+  norm-backward  same, the final RMSNorm's fp32 backward temporaries instead of the CE tail: the peak at long
+                 sequences, where b·s·h outweighs the chunked loss
   unit-backward  inside a unit's MLP backward, the worst unit: root + that unit + the prefetched previous one
                  gathered or the next one's gradient in reduction (not both), the head's weight gradient (held
                  until the root reduces), the activations of that unit and the earlier ones, the sharded grads of
@@ -39,7 +41,7 @@ import torch
 from shardtune.config.schema import Recipe, shard_group_size
 from shardtune.engine.api import splits_vocab
 from shardtune.engine.layout import UnitLayout
-from shardtune.model.attention import WINDOW_BLOCK
+from shardtune.model.attention import WINDOW_BLOCK, varlen_applies
 from shardtune.plan.moe import unpermute_bytes
 from shardtune.plan.offload_host import table_grad_host_bytes
 from shardtune.plan.stats import DTYPES, ModelStats
@@ -181,15 +183,21 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
         # the output's part then assembled (as the per-document path does)
         row = b * s.seq_len
         attn = row * c * (2 * q_dim + 2 * kv_dim) + bs * c * q_dim
+    # On a GPU in bf16 (model/attention.py `varlen_applies`), packed rows and windowed documents are one varlen call:
+    # q, k, v and the output as above, nothing more. Elsewhere:
     # Packed SFT rows, per-document calls (model/attention.py): each call's output (saved by SDPA) and their concatenation
     # are two tensors. DPO rows are one causal call each.
     # A document longer than the sliding window (model/attention.py `_Band`; the plan takes the worst case, one
     # document of seq_len): k and v repeated to every head (CUDA's kernel that takes a bias reads no grouped heads)
     # and saved so, the query blocks' outputs then their concatenation, and the band bias of B x (B + W - 1).
-    band = d.window is not None and d.window < n and stats.recipe.model.attn_implementation != "eager"
+    varlen = varlen_applies(on_gpu=not s.device_is_cpu, dtype=s.compute, head_dim=d.head_dim,
+                            dropout=d.attention_dropout)
+    band = (d.window is not None and d.window < n and stats.recipe.model.attn_implementation != "eager"
+            and not varlen)
     if band:
         attn += bs * c * 2 * (q_dim - kv_dim)
-    if s.context_parallel == 1 and (band or (s.packing and not mask and stats.recipe.train.objective == "sft")):
+    packed = s.packing and not mask and stats.recipe.train.objective == "sft" and not varlen
+    if s.context_parallel == 1 and (band or packed):
         attn += bs * c * q_dim
     if 0 < s.mlp_chunk < bs:  # model/tiled_mlp.py: MLP, norms and adapter branches over sequence chunks
         norms, mlp = chunked_norms_mlp_bytes(stats, s)
@@ -622,7 +630,18 @@ def loss_phases(stats: ModelStats, s: Setup, step: StepFacts, states: ModelState
     alive = {**states.static, "grads": states.grads_prev + states.bucket_prev,
              "gathered": held.forward + held.offload_copy}
     return {"forward-loss": {**alive, "activations": acts.total + ce_fwd},
-            "loss-backward": {**alive, "activations": acts.total + ce_bwd}}
+            "loss-backward": {**alive, "activations": acts.total + ce_bwd},
+            "norm-backward": {**alive, "activations": acts.total + final_norm_backward_bytes(stats, s)}}
+
+
+def final_norm_backward_bytes(stats: ModelStats, s: Setup) -> int:
+    """The final RMSNorm's backward, beyond its saved tensors (root_activation_bytes): HF's norm computes in fp32
+    over the whole sequence, and its backward holds five fp32 b·s·h temporaries at once (the gradients through the
+    upcast, the rsqrt product and the mean, and pow's 2·x) while its two compute-dtype tensors (the normalised
+    input and the output the head read) are already freed. `plan --simulate` of llama-3.1-8b-qlora-128k-1x24gb peaks here (17.91 GiB: 10 GiB of them at
+    131,072 tokens), where the other phases reach 16.91."""
+    bs = s.micro_batch * s.local_seq
+    return bs * stats.dims.hidden * (5 * 4 - 2 * _size(s.compute))
 
 
 def in_flight_bytes(step: StepFacts, i: int) -> int:

@@ -33,6 +33,7 @@ class Dims:
     vocab: int
     moe: MoeDims | None = None  # mixture of experts: routing dims (plan/moe.py)
     window: int | None = None  # sliding-window attention (model/attention.py's band), on some layer at least
+    attention_dropout: float = 0.0  # the config's; > 0 keeps packed rows off the GPU's varlen kernel
 
     @classmethod
     def from_config(cls, c) -> Dims:  # an HF PretrainedConfig, or skeleton.config_namespace
@@ -44,7 +45,7 @@ class Dims:
         return cls(hidden=c.hidden_size, intermediate=inter, num_layers=c.num_hidden_layers,
                    num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size, moe=moe,
-                   window=sliding_window(c))
+                   window=sliding_window(c), attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0))
 
     @property
     def mlp_weight_numel(self) -> int:
