@@ -48,6 +48,8 @@ def test_train_two_workers_end_to_end(tmp_path, backend):
     run = tmp_path / "run"
     lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 7))
+    # Each record's lr is the rate its step's update used: tiny-cpu's warmup (20 steps to 3e-3) starts at 0.
+    assert [r["lr"] for r in lines] == pytest.approx([3e-3 * k / 20 for k in range(6)])
     assert FIELDS <= lines[0].keys()
     assert "eval_loss" in lines[2] and "eval_loss" in lines[5]
     assert lines[-1]["loss"] < lines[0]["loss"]

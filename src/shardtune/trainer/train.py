@@ -205,13 +205,14 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     # optimizer and the next step's gathers without waiting.
     step_time = time.perf_counter() - t0
     loss_global, stats_global = sums_global[0], sums_global[1:]
+    lr = run.scheduler.get_last_lr()[0]  # this step's rate: the scheduler moves to the next step's below
     if math.isfinite(loss_global) and math.isfinite(grad_norm):  # every rank takes the same branch
         run.optimizer.step()
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     tokens = run.batches.global_size * run.objective.rows_per_item * run.recipe.data.seq_len
     record = {"step": step + 1, "epoch": round((step + 1) * run.batches.global_size / len(run.batches.rows), 4),
-              "loss": loss_global, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+              "loss": loss_global, "lr": lr, "grad_norm": grad_norm,
               "tokens": tokens, run.objective.norm_key: norm, "tokens_per_s": tokens / step_time,
               "step_time_s": step_time, **run.objective.metrics(stats_global, norm), **start}
     comm = run.sharded.comm_bytes()
