@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from shardtune.model.fingerprint import Hasher, check_same_on_all_ranks
+from shardtune.model.fingerprint import Hasher, check_same_on_all_ranks, comparing
 from shardtune.model.loading import checkpoint_key
 
 
@@ -82,7 +82,7 @@ def init_full(model: nn.Module, *, seed: int, dtype: torch.dtype, device: torch.
                 m._parameters[attr] = p
 
 
-def _fill_unit(model: nn.Module, unit, *, seed: int, dtype: torch.dtype, hasher: Hasher) -> None:
+def _fill_unit(model: nn.Module, unit, *, seed: int, dtype: torch.dtype, hasher: Hasher | None) -> None:
     """One module at a time, over all of the unit's flat buffers (a module's parameters may sit in two: trainable
     and frozen), so each module is drawn once, whole, exactly as `init_full` draws it."""
     where: dict[str, tuple] = {}  # canonical name -> (flat, slot, [(start in param, start in shard, length)])
@@ -112,7 +112,8 @@ def _fill_unit(model: nn.Module, unit, *, seed: int, dtype: torch.dtype, hasher:
                           only={_join(path, a)})
             for p_start, s_start, n in pieces:
                 flat.shard[s_start:s_start + n].copy_(t.reshape(-1)[p_start:p_start + n])  # casts (bf16 base)
-            hasher.update(t)  # the full module, before it is freed: what every rank must agree on
+            if hasher is not None:
+                hasher.update(t)  # the full module, before it is freed: what every rank must agree on
         del fresh
 
 
@@ -125,9 +126,12 @@ def init_into_shards(units: list, model: nn.Module, *, seed: int, dtype: torch.d
     rank's pieces of the seeded init; then check (one all-gather) that every rank drew the same full modules."""
     paths = {id(m): n for n, m in model.named_modules()}
     named: list[tuple[str, int]] = []
+    compare = comparing()  # one rank: no hashing (at 1B on an H200's host, 9 s of the start-up before xxHash)
     for unit in units:
-        hasher = Hasher()
+        hasher = Hasher() if compare else None
         _fill_unit(model, unit, seed=seed, dtype=dtype, hasher=hasher)
-        path = paths[id(unit.module)]
-        named.append((f"unit '{path}'" if path else "the root unit (embeddings, final norm, head)", hasher.value()))
+        if hasher is not None:
+            path = paths[id(unit.module)]
+            named.append((f"unit '{path}'" if path else "the root unit (embeddings, final norm, head)",
+                          hasher.value()))
     check_same_on_all_ranks(named, device)

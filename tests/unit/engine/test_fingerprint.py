@@ -1,13 +1,19 @@
 """The start-up checksum is exact on bits: equal tensors agree, any one-element change or swap does not."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from shardtune.model import fingerprint
 from shardtune.model.fingerprint import MIN_CHUNK, checksum
 from shardtune.model.seeded_init import module_seed
 
 
-def test_checksum_sees_every_element_and_order() -> None:
+@pytest.mark.parametrize("path", ["xxh3", "integer-sums"])
+def test_checksum_sees_every_element_and_order(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of hashing: host tensors' bytes through XXH3, a device tensor's integer sums (run here on the CPU)."""
+    if path == "integer-sums":
+        monkeypatch.setattr(fingerprint, "_XXH3_DEVICES", ())
     g = torch.Generator().manual_seed(0)
     big = torch.randn(3 * MIN_CHUNK + 7, generator=g)  # several chunks and a ragged tail
     small = torch.randn(5, 4, generator=g).to(torch.bfloat16)
