@@ -44,7 +44,7 @@ from torch.distributed import ProcessGroup
 from shardtune import accelerator
 from shardtune.data.formats import IGNORE
 from shardtune.engine.collectives import CommCounter, all_gather_into, all_to_all_into, reduce_scatter_into
-from shardtune.engine.loss import add_outer_fp32
+from shardtune.engine.loss import add_outer_fp32, softmax_lse_
 
 # shard group -> its last embedding call's count, when every rank had it. Weak keys: a strong one would keep the
 # process group (and gloo's threads) alive past destroy_process_group, into interpreter teardown.
@@ -276,8 +276,10 @@ class _CrossEntropy(torch.autograd.Function):
             here = (local_t >= 0) & (local_t < k) & ~ignored
             logits = (h @ weight.t()).float()  # C x R: the only logits alive
             if k:
-                lse_loc = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, local_t.clamp(0, k - 1)[:, None]).squeeze(1).masked_fill(~here, 0.0)
+                # the local log-sum-exp with no C x R temporary (engine/loss.py softmax_lse_): the logits become
+                # the local softmax, exp(x - lse_loc)
+                lse_loc = softmax_lse_(logits)
             else:  # this rank holds padding rows only: exp(-inf) = 0 of the sum
                 lse_loc = torch.full((h.shape[0],), float("-inf"), device=h.device)
                 picked = torch.zeros(h.shape[0], device=h.device)
@@ -290,7 +292,7 @@ class _CrossEntropy(torch.autograd.Function):
                 total += loss[a:b].sum()
             if not (want_h or want_w):
                 continue
-            g = logits.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, local columns
+            g = logits.mul_((lse_loc - lse).exp_()[:, None])  # softmax over the whole vocabulary, local columns
             if k:
                 g.scatter_add_(1, local_t.clamp(0, k - 1)[:, None], -here.float()[:, None])
             g.masked_fill_(ignored[:, None], 0.0)
