@@ -89,8 +89,7 @@ def test_varlen_runs_where_flash_does():
                                                   dtype=torch.bfloat16), 0.0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 @pytest.mark.parametrize("window", [None, 12])
 def test_varlen_kernel_matches_per_document_sdpa_on_gpu(window):
     """CUDA: the real flash varlen kernel against per-document SDPA calls, bf16 (both flash: same to bf16 rounding)."""

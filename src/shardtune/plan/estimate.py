@@ -638,8 +638,8 @@ def final_norm_backward_bytes(stats: ModelStats, s: Setup) -> int:
     """The final RMSNorm's backward, beyond its saved tensors (root_activation_bytes): HF's norm computes in fp32
     over the whole sequence, and its backward holds five fp32 b·s·h temporaries at once (the gradients through the
     upcast, the rsqrt product and the mean, and pow's 2·x) while its two compute-dtype tensors (the normalised
-    input and the output the head read) are already freed. `plan --simulate` of llama-3.1-8b-qlora-128k-1x24gb peaks here (17.91 GiB: 10 GiB of them at
-    131,072 tokens), where the other phases reach 16.91."""
+    input and the output the head read) are already freed: the peak of long-context recipes (bench/RESULTS.md
+    stop 54)."""
     bs = s.micro_batch * s.local_seq
     return bs * stats.dims.hidden * (5 * 4 - 2 * _size(s.compute))
 
