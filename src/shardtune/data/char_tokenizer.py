@@ -24,7 +24,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     # split, at ~2.3x the speed (no regex, no per-character string), which is most of a cache build's time.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
-    # A decoder-only model takes no token_type_ids; transformers 4.56's generate() rejects them as unused.
+    # A decoder-only model takes no token_type_ids; transformers' generate() rejects them as unused.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>", model_max_length=4096,
                                    model_input_names=["input_ids", "attention_mask"])
