@@ -214,24 +214,26 @@ LONG_GRID = [  # name, world, extra overrides
     ("w2 bf16 s8192 lora ckpt offload", 2, ("engine.mixed_precision=bf16", "lora.enabled=true", CK, OFF)),
 ]
 # engine.context_parallel: the plan takes the costliest rows, one document each (model/context_parallel.py pads the
-# last rank's queries to the whole document); documents longer than the row, truncated to it. Two steps: the second
-# step's backward has the AdamW states (a step-1 peak has none, a few % of this small a step)
-WHOLE_ROW_CHARS = 9000
-CP_GRID = [("w2 fp32 s8192 context-parallel", 2, (CP, "train.max_steps=2")),
-           ("w2 fp32 s8192 ckpt offload context-parallel", 2, (CK, OFF, CP, "train.max_steps=2"))]
+# last rank's queries to the whole document); documents longer than the row, truncated to it. Rows of 4,096: the last
+# rank's attention grows with the square of the document, and at 8,192 these two rows took 21 of the 47 s of the
+# world-2 rows' training (bench/plan_accuracy_cost.py 2). Two steps: the second step's backward has the AdamW states
+# (a step-1 peak has none, a few % of this small a step)
+CP_SEQ, WHOLE_ROW_CHARS = 4096, 4500
+CP_GRID = [("w2 fp32 s4096 context-parallel", 2, (CP, "train.max_steps=2")),
+           ("w2 fp32 s4096 ckpt offload context-parallel", 2, (CK, OFF, CP, "train.max_steps=2"))]
 
 
 def long_context_grid() -> list[Case]:
     return [*(Case(name, world, (*LONG, *extra), own_model=False, long_docs=True) for name, world, extra in LONG_GRID),
-            *(Case(name, world, (*LONG, *extra), own_model=False, long_docs=True, doc_chars=WHOLE_ROW_CHARS)
-              for name, world, extra in CP_GRID)]
+            *(Case(name, world, (*LONG, f"data.seq_len={CP_SEQ}", *extra), own_model=False, long_docs=True,
+                   doc_chars=WHOLE_ROW_CHARS) for name, world, extra in CP_GRID)]
 
 
 def suite_tables() -> list[tuple[str, list[Case]]]:
     """The tables tests/integration/test_plan_accuracy.py runs, in its order: (title, rows). bench/plan_accuracy_cost.py
     times the same rows."""
     return [("validation grid", default_grid()), ("demo recipes", demo_grid(subset=True)), ("QLoRA", qlora_grid()),
-            ("DPO", dpo_grid()), ("chunked loss / tiled NF4", vocab_grid(subset=True)), ("seq 8192", long_context_grid()),
+            ("DPO", dpo_grid()), ("chunked loss / tiled NF4", vocab_grid(subset=True)), ("long context", long_context_grid()),
             ("mixture of experts", moe_grid())]
 
 
