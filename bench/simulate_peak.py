@@ -1,5 +1,5 @@
 """Where `plan --simulate` peaks, beside the plan's phases: the autograd node running at the peak, and the live
-storages there grouped by the op, shape and dtype that made them.
+storages there grouped by the op, shape and dtype that made them (engine_vs_fsdp2.py `print_peak_list`).
 
     PYTHONPATH=src .venv/bin/python bench/simulate_peak.py llama-3.1-8b-qlora-128k-1x24gb [KEY=VALUE ...]
     PYTHONPATH=src .venv/bin/python bench/simulate_peak.py llama-3.1-8b-qlora-128k-1x24gb --chunk-final-norm
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections import Counter
 
 import torch
+from engine_vs_fsdp2 import print_peak_list  # bench/, this script's folder
 
 import shardtune.simulated.allocator as allocator
 import shardtune.trainer.parallelize as parallelize
@@ -67,11 +67,7 @@ def main(recipe: str, overrides: list[str], chunk_final: bool) -> None:
     tracker = TRACKERS[-1]
     print(f"simulated peak {sim.device_peak / GIB:.2f} GiB (ratio {sim.ratio:.3f}) at {tracker.peak_op}, "
           f"autograd node {AT_PEAK.get('node')}")
-    groups = Counter()
-    for label, size in tracker.peak_live:
-        groups[label] += size
-    for label, size in groups.most_common(24):
-        print(f"  {size / GIB:7.3f} GiB  {label}")
+    print_peak_list("the simulated step", tracker.peak_live, 24)
 
 
 if __name__ == "__main__":
