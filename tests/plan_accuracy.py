@@ -204,7 +204,8 @@ def vocab_grid(subset: bool = False) -> list[Case]:
 # and 2 ranks. Not here: engine.mlp_chunk_tokens, which the plan over-predicts at this size (+10.9 %, its
 # unit-gradcat phase; bench/RESULTS.md, stop 46); at the 8B recipe's size --simulate agrees (ratio 0.9996).
 LONG_DOCS, LONG_DOC_CHARS = 12, 2900
-LONG = ("data.seq_len=8192", "train.micro_batch_size=1", "train.max_steps=1", "data.format=text")
+LONG_ROWS = ("train.micro_batch_size=1", "train.max_steps=1", "data.format=text")
+LONG = ("data.seq_len=8192", *LONG_ROWS)
 CK, OFF = "engine.activation_checkpointing=true", "engine.offload_activations=true"
 CP = "engine.context_parallel=true"
 LONG_GRID = [  # name, world, extra overrides
@@ -225,7 +226,7 @@ CP_GRID = [("w2 fp32 s4096 context-parallel", 2, (CP, "train.max_steps=2")),
 
 def long_context_grid() -> list[Case]:
     return [*(Case(name, world, (*LONG, *extra), own_model=False, long_docs=True) for name, world, extra in LONG_GRID),
-            *(Case(name, world, (*LONG, f"data.seq_len={CP_SEQ}", *extra), own_model=False, long_docs=True,
+            *(Case(name, world, (f"data.seq_len={CP_SEQ}", *LONG_ROWS, *extra), own_model=False, long_docs=True,
                    doc_chars=WHOLE_ROW_CHARS) for name, world, extra in CP_GRID)]
 
 
