@@ -25,9 +25,9 @@ demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu
 
 # Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once).
-# 635.6 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine (2026-12-04, 09:57; 672.0 s at
-# 15:47 with 8 more tests); the same
-# suite read 1,058-1,145 s on 2026-11-30: the host's speed moves it by nearly 2x (bench/RESULTS.md stop 53).
+# 556.8 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine (2026-12-04, 17:44; 579-672 s
+# the same day, and 1,098-1,117 s as two suites at once: bench/RESULTS.md stop 56); the same suite read
+# 1,058-1,145 s on 2026-11-30: the host's speed moves it by nearly 2x (bench/RESULTS.md stop 53).
 # CPU-bound (96-99 % busy through a run, bench/RESULTS.md stop 48). --no-loadscope-reorder: files go out in
 # tests/conftest.py's costliest-first order, not by their number of tests (xdist's default, which put the SLURM
 # file's waits anywhere).
