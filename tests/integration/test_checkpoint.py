@@ -28,6 +28,11 @@ def train_args(run_dir: Path, *extra: str) -> list[str]:
     return ["train", "tiny-cpu", *overrides(run_dir, *extra)]
 
 
+def default_save_args(run_dir: Path, *extra: str) -> list[str]:
+    """`train_args` at the recipe's own train.save_every (tiny-cpu: the default, 0: no periodic checkpoint)."""
+    return ["train", "tiny-cpu", f"train.output_dir={run_dir}", *FAST, *extra]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """One uninterrupted run: checkpoints at steps 3 and 6, final/ (forked ranks: the numbers to compare against;
@@ -84,8 +89,10 @@ def test_interrupted_write_leaves_previous_checkpoint_loadable(reference, tmp_pa
 
 
 def test_sigterm_checkpoints_and_exits_75(tmp_path):
+    """At the default train.save_every=0 too (a signal's stop saves whatever save_every says): exit 75, one line
+    naming the signal, the checkpoint's path and how to resume; that checkpoint loads and the run goes on from it."""
     run_dir = tmp_path / "run"
-    proc = start(*train_args(run_dir, "train.save_every=1000", "train.max_steps=500"), cwd=tmp_path)
+    proc = start(*default_save_args(run_dir, "train.max_steps=500"), cwd=tmp_path)
     wait_for(lambda: len(metrics(run_dir)) >= 2, what="two steps")
     proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler or a user would
     _, err = proc.communicate(timeout=120)
@@ -93,7 +100,14 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     last = metrics(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{last}" / "trainer.json").exists()
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{last}"
-    assert "stopped by signal SIGTERM after step" in err  # the signal by name
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert lines[-1] == (f"shardtune: stopped by signal SIGTERM after step {last}; checkpoint: "
+                         f"{run_dir / 'checkpoints' / f'step_{last}'}: run the same command to resume"), err[-3000:]
+    again = forked.train("tiny-cpu", f"train.output_dir={run_dir}", *FAST, f"train.max_steps={last + 2}")
+    assert again.code == 0, again.err[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{last}'} at step {last}" in again.out
+    assert [r["step"] for r in metrics(run_dir)][-3:] == [last, last + 1, last + 2]
+    assert (run_dir / "final").is_dir()
 
 
 @pytest.mark.parametrize("nproc,micro", [(1, 8), (4, 4)], ids=["2to1", "2to4"])
@@ -133,6 +147,37 @@ def test_resume_on_other_data_needs_force_and_keeps_the_previous_recipe(referenc
     assert len(truncated) == 1 and truncated[0].startswith("warning: ") and ".py" not in truncated[0], forced.stderr
     assert (run_dir / "recipes" / "step_6.yaml").read_text() == previous
     assert "seq_len: 20" in (run_dir / "recipe.yaml").read_text() and max(losses(run_dir)) == 7
+
+
+def test_a_new_lr_and_max_steps_on_resume_apply_from_the_resumed_step(reference, tmp_path):
+    """Resuming the reference's step_3 (lr 3e-3, cosine over 6 steps) with train.lr=1e-3 train.max_steps=9 trains
+    steps 4-9 at the rates a run started with those settings uses at those steps (the checkpoint's scheduler state
+    held the old peak lr, which a resume restored: the new lr was announced and ignored). The notice names what
+    the checkpoint trained with."""
+    from shardtune.trainer.schedule import build_scheduler
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_3", run_dir / "checkpoints" / "step_3")
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
+    (run_dir / "recipe.yaml").write_text((reference / "recipe.yaml").read_text().replace(str(reference), str(run_dir)))
+    run = forked.train("tiny-cpu", *overrides(run_dir, "train.lr=1e-3", "train.max_steps=9"))
+    assert run.code == 0 and "resumed from" in run.out, run.err[-3000:]
+    assert "train.lr 0.003 -> 0.001" in run.launcher_err and "train.max_steps 6 -> 9" in run.launcher_err, run
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    fresh = build_scheduler("cosine", opt, warmup_steps=0, total_steps=9)  # the schedule of a fresh run
+    expected = {}
+    for step in range(1, 10):
+        expected[step] = fresh.get_last_lr()[0]
+        opt.step()
+        fresh.step()
+    rows = {r["step"]: r for r in metrics(run_dir)}
+    assert sorted(rows) == list(range(1, 10))
+    for step in range(4, 10):
+        assert rows[step]["lr"] == pytest.approx(expected[step], rel=1e-12), step
+    ref = losses(reference)
+    assert rows[4]["loss"] == pytest.approx(ref[4], rel=1e-5)  # the checkpoint's weights
+    assert all(rows[s]["loss"] != pytest.approx(ref[s], rel=1e-4) for s in (5, 6))  # trained at the new rates
 
 
 def test_resume_1_to_2_workers(reference, tmp_path):
@@ -237,7 +282,7 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path, when):
     or while the workers are still importing torch and building the model; or (`launcher`) SIGINT to the launcher
     alone, as `kill -INT` does, which it passes on to the workers itself."""
     run_dir = tmp_path / "run"
-    proc = start(*train_args(run_dir, "train.save_every=1000", "train.max_steps=500"), cwd=tmp_path)
+    proc = start(*default_save_args(run_dir, "train.max_steps=500"), cwd=tmp_path)
     if when == "setup":
         wait_for(lambda: (run_dir / "logs").is_dir(), what="the workers' start")
     else:
@@ -255,7 +300,8 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path, when):
         return
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{last}"
     assert (run_dir / "checkpoints" / f"step_{last}" / "trainer.json").exists()
-    assert lines == [f"shardtune: interrupted (Ctrl-C, SIGINT) after step {last}; checkpoint: step_{last}"], err
+    assert lines == [f"shardtune: interrupted (Ctrl-C, SIGINT) after step {last}; checkpoint: "
+                     f"{run_dir / 'checkpoints' / f'step_{last}'}: run the same command to resume"], err
 
 
 def test_a_run_directory_in_use_is_refused(tmp_path):

@@ -1,10 +1,12 @@
 """Graceful stop: SIGTERM (torchrun, schedulers), SIGUSR1 (SLURM's warning before preemption) or SIGINT (Ctrl-C)
-asks the worker to finish the current step, save a checkpoint and exit: EXIT_PREEMPTED, or EXIT_INTERRUPTED for
+asks the worker to finish the current step, save a checkpoint (whatever train.save_every says: a stop must lose
+nothing) and exit: EXIT_PREEMPTED, or EXIT_INTERRUPTED for
 Ctrl-C (the shell's code for it). The handler only sets a flag; the stop is agreed on by all ranks at a step
 boundary (one all-reduce), because a signal may reach only some of them."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch-free at import: a worker interrupted while importing torch still says so (trainer/worker.py)
@@ -15,13 +17,19 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_DIVERGED = 4  # a NaN/inf loss or gradient norm stopped the run (the last good checkpoint stays)
 
 
-def stop_message(signum: int | None, step: int, checkpoint: str) -> tuple[str, int]:
-    """(the line, the exit code) for a run stopped by `signum` after `step` (0: before the first step)."""
+def stop_message(signum: int | None, step: int, checkpoint: Path | None, *, resume: str = "auto") -> tuple[str, int]:
+    """(the line, the exit code) for a run stopped by `signum` after `step` (0: before the first step), with
+    `checkpoint` the newest one saved (None: none). How to resume: the same command, unless `train.resume` (`resume`)
+    names another checkpoint, which the same command would load again."""
     when = f"after step {step}" if step else "before the first step"
+    saved = "none"
+    if checkpoint is not None:
+        again = "the same command" if resume in ("auto", "force") else "the same command with train.resume=auto"
+        saved = f"{checkpoint}: run {again} to resume"
     if signum == signal.SIGINT:
-        return f"interrupted (Ctrl-C, SIGINT) {when}; checkpoint: {checkpoint}", EXIT_INTERRUPTED
+        return f"interrupted (Ctrl-C, SIGINT) {when}; checkpoint: {saved}", EXIT_INTERRUPTED
     name = signal.Signals(signum).name if signum else "a signal"
-    return f"stopped by signal {name} {when}; checkpoint: {checkpoint}", EXIT_PREEMPTED
+    return f"stopped by signal {name} {when}; checkpoint: {saved}", EXIT_PREEMPTED
 
 
 # SIGINTs a worker received while setting up (trainer/worker.py records them). One that a library swallowed on the

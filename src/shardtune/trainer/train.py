@@ -93,13 +93,14 @@ def train(recipe: Recipe) -> dict:
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == max_steps:
             record.update(run.objective.evaluate(run.model, rt, global_size=run.batches.global_size))
         log.log(record)
-        stopping = stop.agreed(rt.device)
-        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == max_steps or stopping):
+        stopping = stop.agreed(rt.device)  # a stop saves at any train.save_every, 0 included: nothing is lost
+        if stopping or cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == max_steps):
             save_checkpoint(run, step + 1)
         if stopping:
             log.close(run.run_dir)
-            raise TrainingStopped(*stop_message(stop.signum, step + 1, run.checkpoints.latest_name()
-                                                or "none (train.save_every=0)"))
+            latest = run.checkpoints.latest_name()  # an earlier one if this save failed (the manager warned)
+            saved = run.checkpoints.root / latest if latest else None
+            raise TrainingStopped(*stop_message(stop.signum, step + 1, saved, resume=cfg.resume))
 
     if tracker is not None:
         tracker.stop()  # the dispatch mode costs Python work per op: not during export and decoding

@@ -77,7 +77,7 @@ def _interrupted(e: BaseException) -> bool:
 
 def _interrupted_in_setup(error_file: Path | None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's forwarded copy must not interrupt this
-    message, code = stop_message(signal.SIGINT, 0, "none")
+    message, code = stop_message(signal.SIGINT, 0, None)
     if error_file is not None or int(os.environ.get("RANK", "0")) == 0:
         _say(f"shardtune: {message}", error_file and error_file.with_name(".exit_code"), f"{code}\n{message}")
     return code
