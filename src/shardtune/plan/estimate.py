@@ -387,7 +387,8 @@ def offloaded_host_bytes(units: list[UnitLayout], s: Setup) -> int:
     total = 0
     for u in units:
         total += sum(f.shard_bytes() for f in u.flats)
-        total += sum(table_grad_host_bytes(f, s) for f in u.vocab)
+        total += sum(table_grad_host_bytes(f, replicated=s.world > s.shard_size, grad_accum=s.grad_accum)
+                     for f in u.vocab)
         if u.trainable is not None:
             n = u.trainable.shard_numel
             total += 4 * n if r == 4 else 4 * n + r * n
