@@ -147,15 +147,25 @@ def load(ckpt: Path, state: dict[str, Any], scheduler: Any, *, rank: int, world_
     info = json.loads((ckpt / TRAINER_FILE).read_text())
     dcp.load(state, checkpoint_id=str(ckpt), storage_reader=storage.storage_reader(device, str(ckpt)),
              planner=storage.load_planner(device), process_group=accelerator.host_group())
-    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
-    # load_state_dict restores the scheduler's counter but not the optimizer's current lr: set it, or the first
-    # resumed step would run at the lr of step 0.
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr
+    restore_schedule_step(scheduler, torch.load(ckpt / "scheduler.pt", weights_only=False))
     rng = ckpt / f"rng_rank{rank}.pt"
     if info.get("world_size") == world_size and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
     return int(info["step"])
+
+
+def restore_schedule_step(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[str, Any]) -> None:
+    """Only the step counter comes from the checkpoint's scheduler state. Its peak rates (base_lrs) and its last
+    rate are the old recipe's: loaded as they are, a resume with another train.lr kept the old one (announced and
+    ignored). The peak and the shape (train.lr, schedule, warmup_steps, max_steps) are this recipe's, as built, so
+    step k runs at the rate a run started with these settings would use at step k. The optimizer's groups get it
+    too, or the first resumed step would run at the rate of step 0."""
+    step = saved["last_epoch"]  # optimizer steps taken (a skipped non-finite step took none)
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": step, "_step_count": saved["_step_count"],
+                               "_last_lr": lrs})
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
 
 
 def _rng_state() -> dict[str, Any]:

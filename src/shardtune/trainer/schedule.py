@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 
@@ -34,3 +35,17 @@ def build_scheduler(name: str, optimizer: torch.optim.Optimizer, *, warmup_steps
         assert name in ("cosine", "linear"), name  # the schema allows only these
         fn = functools.partial(_warmup_then, warmup=warmup_steps, total=total_steps, decay=name)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings but its parameters: lr, betas, eps, weight_decay, the kernel flags."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def keep_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]],
+                  scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """After a resume: the recipe's settings (`optimizer_settings` before the load) at the scheduler's rate for the
+    resumed step. The torch backend's optimizer state dict carries its param groups, and loading it restored the
+    checkpoint's lr, betas, eps and weight decay: a changed value in the recipe was silently ignored."""
+    for group, own, lr in zip(optimizer.param_groups, settings, scheduler.get_last_lr(), strict=True):
+        group.update(own, lr=lr)

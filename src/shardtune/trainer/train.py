@@ -30,7 +30,7 @@ from shardtune.trainer.metrics import MetricsLog
 from shardtune.trainer.objective import SftObjective, build_objective
 from shardtune.trainer.parallelize import parallelize
 from shardtune.trainer.runtime import Runtime, host_max, init_runtime
-from shardtune.trainer.schedule import build_scheduler
+from shardtune.trainer.schedule import build_scheduler, keep_settings, optimizer_settings
 from shardtune.trainer.signals import EXIT_DIVERGED, StopRequest, stop_message
 
 
@@ -248,9 +248,11 @@ def resume(run: Run) -> int:
     if found is None:
         return 0
     state = run.sharded.checkpoint_state(run.optimizer, for_load=True)
+    settings = optimizer_settings(run.optimizer)  # this recipe's: they apply from the resumed step
     step = ckpt.manager.load(found, state, run.scheduler, rank=run.rt.rank, world_size=run.rt.world_size,
                              device=run.rt.device)
     run.sharded.load_checkpoint_state(state, run.optimizer)
+    keep_settings(run.optimizer, settings, run.scheduler)
     if run.rt.is_main:
         print(f"resumed from {found} at step {step}", flush=True)
     return step
