@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import build_data
 from shardtune.data.char_tokenizer import build_char_tokenizer
-from shardtune.data.formats import IGNORE
-from shardtune.data.pair_encoding import encode_pair, truncate_pair
+from shardtune.data.formats import IGNORE, encode_row
+from shardtune.data.pair_encoding import encode_pair, encode_preference, truncate_pair
 from shardtune.data.preference import PairBatches
+from shardtune.templates import render_prompt
 from tests.unit.cli_helpers import run_cli
 
 TOK = build_char_tokenizer()
@@ -42,13 +44,32 @@ def test_builtin_pairs_share_the_prompt_and_mask_it(tmp_path):
     for k in range(0, len(ids), 2):
         chosen, rejected = (TOK.decode(x[x != TOK.pad_token_id]) for x in ids[k : k + 2])
         prompt = chosen.split("=")[0]
-        assert rejected.startswith(prompt + "=")
+        assert rejected.startswith(prompt + "=\n")  # data.template=plain: the prompt, then a newline
         s = prompt.split()[-1]
-        assert chosen == f"{prompt}={s[::-1]}</s>" and rejected != chosen
+        assert chosen == f"{prompt}=\n{s[::-1]}</s>" and rejected != chosen
         for x, y in zip(ids[k : k + 2], labels[k : k + 2]):  # targets: exactly the response (and EOS)
-            assert TOK.decode(x[y != IGNORE]).rstrip("</s>") in (s[::-1], rejected.split("=")[1].rstrip("</s>"))
-            n = 1 + len(TOK(prompt.removeprefix("<s>") + "=", add_special_tokens=False)["input_ids"])  # + BOS
+            assert TOK.decode(x[y != IGNORE]).rstrip("</s>") in (s[::-1], rejected.split("=\n")[1].rstrip("</s>"))
+            n = 1 + len(TOK(prompt.removeprefix("<s>") + "=\n", add_special_tokens=False)["input_ids"])  # + BOS
             assert (y[:n] == IGNORE).all() and y[n] != IGNORE
+
+
+@pytest.mark.parametrize("template", ["plain", "alpaca", "Q: {prompt} A:"])
+def test_string_pairs_render_the_prompt_as_sft_does(template):
+    """Issue 59's pair: a DPO row's prompt tokens equal the SFT rendering of the same prompt with the same
+    data.template (they were joined with no separator, and data.template was ignored), so a DPO run started from
+    an SFT run's final/ sees its prompts in the shape they were trained on."""
+    pair = {"prompt": "sky?", "chosen": "blue", "rejected": "green"}
+    sft_cfg = DataConfig(format="instruction", template=template)
+    sft_ids, sft_labels = encode_row({"prompt": "sky?", "response": "blue"}, sft_cfg, TOK)
+    cfg = DataConfig(format="preference", template=template)
+    p, c, r = encode_pair(pair, cfg, TOK)
+    assert p + c == sft_ids and [IGNORE] * len(p) + c == sft_labels
+    assert TOK.decode(p) == "<s>" + render_prompt(template, "sky?")
+    assert TOK.decode(r) == "green</s>"
+    if template == "plain":
+        assert TOK.decode(p + c) == "<s>sky?\nblue</s>"
+    (chosen, chosen_labels), _ = encode_preference({k: [v] for k, v in pair.items()}, cfg, TOK)  # validate's sample
+    assert (chosen, chosen_labels) == (sft_ids, sft_labels)
 
 
 def test_chat_rows_and_remapped_fields(tmp_path):

@@ -21,7 +21,7 @@ WRONG = [{"role": "user", "content": "sky?"}, {"role": "assistant", "content": "
 @pytest.mark.parametrize("row,kind", [
     ({"prompt": TURNS[:1], "chosen": TURNS[1:], "rejected": WRONG[1:]}, "chat"),
     ({"chosen": TURNS, "rejected": WRONG}, "chat"),  # TRL's implicit prompt
-    ({"prompt": "sky?", "chosen": "blue", "rejected": "green"}, "text"),
+    ({"prompt": "sky?", "chosen": "blue", "rejected": "green"}, "instruction"),  # data.template, as SFT renders it
 ])
 @pytest.mark.parametrize("store", ["jsonl", "saved"])  # saved: a `datasets` folder, as a Hub id's split is kept
 def test_dpo_runs_are_asked_as_their_pairs_were_rendered(tmp_path, row, kind, store):

@@ -232,7 +232,9 @@ class DataConfig:
     prompt_field: str = "prompt"  # format=instruction: the instruction column (Alpaca's `instruction` is found)
     input_field: str = "input"  # format=instruction: optional extra context (Alpaca's `input`), after the prompt
     response_field: str = "response"  # format=instruction: the answer column (Alpaca's `output` is found)
-    template: str = "plain"  # format=instruction: plain | alpaca | chatml, or a string with {prompt} and {input}
+    # format=instruction, and preference's string prompts: plain | alpaca | chatml, or a string with {prompt} and
+    # {input}
+    template: str = "plain"
     messages_field: str = "messages"  # format=chat: the list of turns (ShareGPT's `conversations` is found)
     chat_style: str = "auto"  # format=chat: auto | openai ({role, content}) | sharegpt ({from, value})
     chosen_field: str = "chosen"  # format=preference: the preferred response column (strings or message lists)

@@ -30,7 +30,8 @@ from transformers import PreTrainedTokenizerBase
 from shardtune.config.data_keys import ENTRY_KEYS
 from shardtune.config.schema import DataConfig
 
-CACHE_VERSION = 2  # 2: instruction templates (a separator after the prompt), input/chat fields
+CACHE_VERSION = 3  # 2: instruction templates (a separator after the prompt), input/chat fields; 3: preference
+# prompts rendered with data.template
 MANIFEST = "manifest.json"
 STALE_TEMP_S = 24 * 3600
 

@@ -1,7 +1,8 @@
 """Preference rows -> (prompt, chosen, rejected) token ids, and the truncation that keeps what DPO compares.
 
 Each value is a string, or a chat message list (the prompt a list of messages, chosen and rejected the assistant
-turn(s) that follow it, rendered with the tokenizer's chat template). Rows without a prompt column are TRL's
+turn(s) that follow it, rendered with the tokenizer's chat template). A string prompt is rendered with data.template
+(plain: the prompt and a newline), as format=instruction renders it. Rows without a prompt column are TRL's
 implicit-prompt layout: the opening turns both conversations share are the prompt.
 
 Truncation: when prompt + the longer response exceed seq_len, the prompt keeps its END (the tokens next to the
@@ -19,6 +20,7 @@ from shardtune.config.schema import DataConfig
 from shardtune.data.messages import check_tool_calls, to_messages
 from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
+from shardtune.templates import render_prompt
 
 Encoded = list[tuple[list[int], list[int]]]  # per row: (input ids, labels)
 
@@ -32,6 +34,17 @@ def truncate_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq
     keep = max(seq_len - longest, min(len(prompt), seq_len // 2))
     budget = seq_len - keep
     return prompt[len(prompt) - keep :], chosen[:budget], rejected[:budget], True
+
+
+def ignored_template(row: dict[str, Any], cfg: DataConfig) -> str | None:
+    """The warning for a data.template set on conversational pairs (their chat template renders them), else None."""
+    if cfg.template == "plain":  # the default: nothing was asked for
+        return None
+    prompt = row.get(cfg.prompt_field) if cfg.prompt_field else row.get(cfg.chosen_field)
+    if not isinstance(prompt, list):
+        return None
+    return (f"data.template={cfg.template} is ignored: these preference rows are conversations, rendered with the "
+            "tokenizer's chat template (model.chat_template); data.template renders string prompts")
 
 
 def split_shared_prompt(chosen: Any, rejected: Any) -> tuple[list[Any], list[Any], list[Any]]:
@@ -77,9 +90,12 @@ def encode_pair(row: dict[str, Any], cfg: DataConfig, tok: PreTrainedTokenizerBa
                                 "the prompt as a prefix: use string values for this tokenizer")
             out.append(full[len(before):])
         return out[0], out[1], out[2]
+    # A string prompt is rendered with data.template exactly as format=instruction renders it (templates.py), so a
+    # DPO run that starts from an SFT run's final/ sees its prompts in the shape the SFT run trained on.
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    return bos + _text_ids(tok, str(prompt)), _text_ids(tok, str(chosen)) + eos, _text_ids(tok, str(rejected)) + eos
+    return (bos + _text_ids(tok, render_prompt(cfg.template, str(prompt))), _text_ids(tok, str(chosen)) + eos,
+            _text_ids(tok, str(rejected)) + eos)
 
 
 

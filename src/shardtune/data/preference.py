@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from shardtune.config.schema import DataConfig
 from shardtune.data import docs as store
 from shardtune.data.batches import GlobalBatches, MicroBatch
-from shardtune.data.pair_encoding import Encoded, encode_pair, truncate_pair
+from shardtune.data.pair_encoding import Encoded, encode_pair, ignored_template, truncate_pair
 from shardtune.data.tokens import IGNORE
 from shardtune.errors import UserError
 
@@ -42,6 +42,8 @@ class PairBuilder:
         cfg = self.cfg
         docs: Encoded = []  # 2 per kept pair: chosen, rejected
         truncated = []
+        if len(raw) and ignored_template(raw[0], cfg):
+            warnings.warn(ignored_template(raw[0], cfg), stacklevel=2)
         for i in range(len(raw)):
             pair = self._encode_row(raw[i], i)
             if pair is not None:

@@ -39,7 +39,7 @@ def style_of_recipe(recipe: Recipe) -> PromptStyle:
     fmt = data_setting(recipe, "format")
     if fmt == "chat" or (fmt == "preference" and _conversational_pairs(recipe)):
         return PromptStyle("chat")
-    if fmt == "instruction":
+    if fmt in ("instruction", "preference"):  # string preference prompts are rendered with data.template too
         return PromptStyle("instruction", data_setting(recipe, "template"))
     return PromptStyle("text")
 
