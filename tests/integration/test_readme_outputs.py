@@ -1,5 +1,6 @@
-"""The README's command-output blocks are what the commands print today: `plan`, the script `slurm` writes and
-the shape of `--version`. Each is regenerated here and compared, up to the date and the paths of the machine."""
+"""The docs' command-output blocks (README.md and docs/*.md, found by their text: tests/docs_blocks.py) are what the
+commands print today: `plan`, the script `slurm` writes and the shape of `--version`. Each is regenerated here and
+compared, up to the date and the paths of the machine."""
 from __future__ import annotations
 
 import re
@@ -7,15 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.docs_blocks import block_after
+
 SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
-
-
-def readme_block(after: str) -> str:
-    """The text of the fenced block that starts with the line `after` (that line excluded)."""
-    text = README.read_text()
-    start = text.index(after + "\n") + len(after) + 1
-    return text[start:text.index("```", start)].rstrip()
 
 
 def run(*args: str, cwd: Path | None = None, columns: int = 120) -> str:
@@ -27,8 +22,8 @@ def run(*args: str, cwd: Path | None = None, columns: int = 120) -> str:
 
 def test_plan_block():
     got = run("plan", "llama-3.1-70b-lora-4x24gb")
-    assert got.rstrip() == readme_block("$ shardtune plan llama-3.1-70b-lora-4x24gb --png "
-                                        "docs/plan-llama-3.1-70b-lora-4x24gb.png")
+    assert got.rstrip() == block_after("$ shardtune plan llama-3.1-70b-lora-4x24gb --png "
+                                       "docs/plan-llama-3.1-70b-lora-4x24gb.png")
 
 
 def test_slurm_script_block(tmp_path):
@@ -37,7 +32,7 @@ def test_slurm_script_block(tmp_path):
         "--partition", "gpu", "--time", "24:00:00", "-o", "llama405b.sbatch", cwd=tmp_path)
     got = (tmp_path / "llama405b.sbatch").read_text().replace(str(tmp_path.resolve()), "/home/me/ft")
     got = got.replace(SHARDTUNE, "/home/me/shardtune/.venv/bin/shardtune")
-    want = "#!/bin/bash\n" + readme_block("```bash\n#!/bin/bash")
+    want = "#!/bin/bash\n" + block_after("```bash\n#!/bin/bash")
     date = re.compile(r" on \d{4}-\d\d-\d\d \d\d:\d\d\.")
     assert date.sub(" on DATE.", got.rstrip()) == date.sub(" on DATE.", want)
 
@@ -47,5 +42,5 @@ def test_version_block_shape():
         return [re.sub(r"\d[\w.+-]*", "V", ln).split(" (")[0] for ln in text.strip().splitlines()]
 
     got = shape(run("--version"))
-    want = shape(readme_block("$ shardtune --version"))
+    want = shape(block_after("$ shardtune --version"))
     assert got[:2] == want[:2] and got[-1] == want[-1] and len(got) == len(want), (got, want)

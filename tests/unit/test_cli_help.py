@@ -9,6 +9,7 @@ import pytest
 from typer.main import get_command
 
 from shardtune.launcher.cli import app
+from tests.docs_blocks import fenced_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = get_command(app).commands  # name -> click command, as `shardtune --help` lists them
@@ -45,9 +46,12 @@ def test_every_option_states_its_default(name):
 
 
 def _readme_synopsis() -> dict[str, str]:
-    """`shardtune COMMAND ...` lines of the README's synopsis block (the first code block listing commands)."""
+    """`shardtune COMMAND ...` lines of the README's synopsis block (its block in which every line is a command)."""
+    synopsis = [lines for _, lines in fenced_blocks(REPO / "README.md")
+                if lines and all(ln.startswith("shardtune ") for ln in lines)]
+    assert len(synopsis) == 1, f"README.md has {len(synopsis)} blocks of `shardtune` lines only (want one: the synopsis)"
     lines = {}
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in synopsis[0]:
         m = re.match(r"shardtune (\w+)\b(.*)", line)
         if m and m.group(1) not in lines:
             lines[m.group(1)] = m.group(2).split("#", 1)[0]
