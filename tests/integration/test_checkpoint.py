@@ -329,6 +329,24 @@ def test_a_finished_run_of_other_data_without_a_checkpoint_is_kept(reference, tm
     assert (run_dir / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
 
 
+def test_a_finished_run_without_a_checkpoint_is_not_trained_again(reference, tmp_path):
+    """The same command again into a run that finished with train.save_every=0 (final/, summary.json, metrics.jsonl,
+    no checkpoint) would repeat the run and replace its records without a word: exit 2, one line saying how to go
+    on, and nothing there is touched."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference / "final", run_dir / "final")
+    for name in ("recipe.yaml", "metrics.jsonl", "summary.json"):
+        shutil.copy(reference / name, run_dir / name)
+    proc = cli(*train_args(run_dir), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: train.output_dir: '{run_dir}' holds a finished run (final/, summary.json, metrics.jsonl) and no "
+        "checkpoint to resume: training again would replace it: use a new train.output_dir, or set "
+        "train.resume=none to start over there")
+    assert (run_dir / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["final", "metrics.jsonl", "recipe.yaml", "summary.json"]
+
+
 def test_a_full_disk_while_keeping_the_recipe_history_is_one_line(reference, tmp_path):
     """Resuming with another train.lr keeps the previous recipe as recipes/step_6.yaml: on a full disk that is one
     line naming the file and "no space left", exit 2, and no empty step_6.yaml is left."""

@@ -180,10 +180,12 @@ def prepare_run_dir(cfg: DictConfig, recipe: Recipe, nproc: int, header: str = "
     """Check the run directory against the recipe and write recipe.yaml: what the workers read (and the tests that
     start `run_worker` on forked ranks instead of through torchrun)."""
     from shardtune.checkpoint.resume_check import check_rerun, check_resume
+    from shardtune.launcher.finished_run import check_finished_run
 
     cfg = check_resume(cfg, recipe, nproc * recipe.launch.nnodes)  # exit 2 for a checkpoint of another run
     check_rerun(cfg)  # exit 2 for a finished run of other data, without a checkpoint
     recipe = to_recipe(cfg)
+    check_finished_run(recipe)  # exit 2 for a finished run of this recipe, without a checkpoint
     run_dir = Path(recipe.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
