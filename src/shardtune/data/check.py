@@ -1,11 +1,13 @@
 """`validate`'s data checks: the head of every data file, read, mapped and tokenized as training will.
 
 Sample-based: each file costs one read of at most sample.SAMPLE_BYTES and the tokenization of TOKENIZE_ROWS rows,
-whatever its size. Returns problems as lines ("file line N, column 'x': what: fix"); an empty list means the
-sample looks trainable. What a sample cannot see (a bad line deep in a file) `prepare` still reports by line.
+whatever its size; their token lengths warn when data.seq_len would cut rows (lengths.py). Returns problems as
+lines ("file line N, column 'x': what: fix"); an empty list means the sample looks trainable. What a sample cannot
+see (a bad line deep in a file) `prepare` still reports by line.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +19,13 @@ from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import FORMATS, IGNORE, encode_batch
 from shardtune.data.hub_data import pick_split
 from shardtune.data.messages import to_messages
-from shardtune.data.sample import Sample, data_files, is_saved_dataset, read_sample
+from shardtune.data.lengths import long_rows_warning
+from shardtune.data.pair_encoding import ignored_template
+from shardtune.data.sample import SAMPLE_ROWS, Sample, data_files, is_saved_dataset, read_sample
 from shardtune.data.sources import is_mix, sources
 from shardtune.errors import UserError
 
-TOKENIZE_ROWS = 16
+TOKENIZE_ROWS = SAMPLE_ROWS  # rows tokenized per file: the whole head read (their lengths say what seq_len cuts)
 MAX_ROW_PROBLEMS = 3  # per file: the first few name the pattern; hundreds would bury it
 
 
@@ -110,14 +114,20 @@ def _sample_problems(cfg: DataConfig, sample: Sample, tok: PreTrainedTokenizerBa
         return problems
     cfg = resolve_fields(cfg, sample.columns, where=f"data.path {where}")
     rows = [r for _, r in sample.rows[:TOKENIZE_ROWS]]
+    batch = {c: [r.get(c) for r in rows] for c in sample.columns}
     try:
-        encoded = encode_batch({c: [r.get(c) for r in rows] for c in sample.columns}, cfg, tok)
+        # preference pairs come back cut to seq_len; every other format's rows whole (the cache cuts them)
+        encoded = encode_batch(batch, cfg, tok)
+        long_rows = long_rows_warning(cfg, rows, encoded, tok, where)
     except UserError as e:
         return [f"data.path: {where}: {e}"]
     if not any(any(lab != IGNORE for lab in labels[1 : cfg.seq_len]) for _, labels in encoded):
         return [f"data.path: {where}: none of the first {len(rows)} rows has a target token within "
                 f"data.seq_len={cfg.seq_len} (prompts too long, or no response/assistant turn): raise data.seq_len "
                 "or check the fields"]
+    for warning in (long_rows, cfg.format == "preference" and rows and ignored_template(rows[0], cfg)):
+        if warning:
+            warnings.warn(warning, stacklevel=2)
     return []
 
 
