@@ -2,10 +2,8 @@
 data/sources.py for what a list means). They live with the schema, which runs them; data/ reads ENTRY_KEYS."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from shardtune.config.schema import DataConfig
+from collections.abc import Mapping
+from typing import Any
 
 FORMATS = ("text", "instruction", "chat", "preference")
 CHAT_STYLES = ("auto", "openai", "sharegpt")
@@ -18,16 +16,18 @@ def _fail(key: str, msg: str) -> None:
     raise ValueError(f"{key}: {msg}")
 
 
-def check_data_config(cfg: DataConfig) -> None:
-    """Schema checks of the per-dataset keys (ValueError "key: message"), for data.* and each list entry."""
-    defaults = {k: getattr(cfg, k) for k in ENTRY_KEYS}
+def check_data_config(data: Mapping[str, Any]) -> None:
+    """Schema checks of the per-dataset keys (ValueError "key: message"), for data.* and each list entry. `data`:
+    the data section's values by key (the schema passes its DataConfig's fields; this module stays below it)."""
+    defaults = {k: data[k] for k in ENTRY_KEYS}
     _check_dataset(defaults, "data.")
-    if isinstance(cfg.path, (list, tuple)):
-        if not cfg.path:
+    path = data["path"]
+    if isinstance(path, (list, tuple)):
+        if not path:
             _fail("data.path", "an empty list: give a file, or a list of {path, weight} entries")
-        for i, entry in enumerate(cfg.path):
+        for i, entry in enumerate(path):
             prefix = f"data.path[{i}]"
-            if isinstance(entry, dict) and entry.get("format", cfg.format) == "preference":
+            if isinstance(entry, dict) and entry.get("format", data["format"]) == "preference":
                 _fail(f"{prefix}.format", "preference pairs come from one dataset, not a mix (a mix interleaves "
                       "rows, a pair is two): give data.path one file")
             if not isinstance(entry, dict) or "path" not in entry:
@@ -39,8 +39,8 @@ def check_data_config(cfg: DataConfig) -> None:
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
                 _fail(f"{prefix}.weight", f"must be a number > 0, got {weight!r}")
             _check_dataset({**defaults, **{k: v for k, v in entry.items() if k in ENTRY_KEYS}}, f"{prefix}.")
-    elif cfg.path is not None and not isinstance(cfg.path, str):
-        _fail("data.path", f"must be a path or a list of {{path, weight}} entries, got {cfg.path!r}")
+    elif path is not None and not isinstance(path, str):
+        _fail("data.path", f"must be a path or a list of {{path, weight}} entries, got {path!r}")
 
 
 def _check_dataset(values: dict[str, Any], prefix: str) -> None:

@@ -253,7 +253,7 @@ class DataConfig:
     prepare_timeout_min: int = 120  # how long other ranks wait for rank 0's cache build before giving up
 
     def __post_init__(self) -> None:
-        check_data_config(self)
+        check_data_config(vars(self))
         _check(self.seq_len >= 8, "data.seq_len", f"must be >= 8, got {self.seq_len}")
         _check(self.long_docs in ("truncate", "split"), "data.long_docs",
                f"must be truncate or split, got {self.long_docs!r}")

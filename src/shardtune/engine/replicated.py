@@ -3,7 +3,7 @@
 They are small next to the base (0.4 GiB of fp32 adapters on a 70B QLoRA), so their VALUES stay whole on every
 rank: sharding them would cost a collective per unit. Their gradient must be summed over all ranks (our gradient
 contract: SUM, see api.py), once per optimizer step, in one collective over one flat bucket issued at the end of
-the step's last backward (async: it overlaps the wait for the units' last reductions, engine/step.py).
+the step's last backward (async: it overlaps the wait for the units' last reductions, engine/unit.py _end_backward).
 
 Accumulation across micro-steps: a hook on each parameter takes the new local gradient before autograd
 accumulates it, adds it into `pending` (1D, fp32, every adapter) and hands autograd zeros instead. Every rank then

@@ -3,16 +3,16 @@
 State machine per unit:  SHARDED --unshard()--> GATHERING --wait()--> UNSHARDED --reshard()--> SHARDED.
 
 One training step of full_shard (units 0..L-1 in forward order, the root unit holds embeddings/norm/head):
-  forward : root pre-hook starts the iteration (step.py) and gathers the root, prefetching unit 0; unit i's pre-hook
-            waits for its gather and prefetches unit i+1; its post-hook frees it, except the last unit (backward
-            needs it first: saves one all-gather) and under shard_grad_op (all stay gathered until their backward).
-            The root stays gathered.
+  forward : root pre-hook starts the iteration (begin_iteration) and gathers the root, prefetching unit 0; unit
+            i's pre-hook waits for its gather and prefetches unit i+1; its post-hook frees it, except the last unit
+            (backward needs it first: saves one all-gather) and under shard_grad_op (all stay gathered until their
+            backward). The root stays gathered.
   backward: a hook on unit i's outputs (fires when their gradient is ready, just before the unit's backward)
             re-gathers unit i and prefetches unit i-1; hooks on the parameter views free the gathered buffer once
             every parameter's gradient exists (before autograd cats them into the flat gradient); when the flat
             gradient reaches the leaf, the post-accumulate-grad hook hands it to the reducer (reduce.py), which
             reduce-scatters it asynchronously into this rank's shard.
-  end     : an autograd-engine callback (step.py) reduces any flat whose gradient never arrived (zeros; keeps
+  end     : an autograd-engine callback (_end_backward) reduces any flat whose gradient never arrived (zeros; keeps
             collectives matched across ranks), waits for the reductions and reshards everything.
 Under no_grad (eval, generate) every unit, root included, is freed after its forward.
 Frozen weights (LoRA base) get no gradient hooks: a unit with frozen flats is freed when the gradient of its inputs
@@ -43,13 +43,29 @@ from shardtune.engine.collectives import CommCounter, all_gather_into
 from shardtune.engine.flat_param import FlatParam
 from shardtune.engine.reduce import GradReducer
 from shardtune.engine.replicated import ReplicatedParams
-from shardtune.engine.step import StepState, begin_iteration, start_backward
 
 
 class ShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"  # async all-gather in flight
     UNSHARDED = "unsharded"
+
+
+# The root's per-iteration state: where one forward + backward of the sharded model is, and its two boundaries.
+#   begin (root pre-forward)  every iteration starts here. If the previous backward never reached its end (it raised,
+#                             e.g. an OOM the caller caught), its state is torn down first: pending reductions are
+#                             waited for and dropped, every unit is resharded, the hooks' bookkeeping cleared. The
+#                             step's gradients are lost: the caller zeroes them and redoes the step.
+#   end   (autograd callback) queued by the first backward hook, runs once the whole backward is done: reduces zeros
+#                             for flats whose gradient never arrived, issues the adapters' all-reduce, retires every
+#                             pending reduction and reshards everything.
+# They live with the units: the context holds the units, the units' hooks call them (one concern, one file).
+@dataclass
+class StepState:
+    requires_grad_sync: bool = True  # set by the trainer per micro-step: reduce on this backward, or keep local
+    requires_all_reduce: bool = True  # replicated params reduce on a synced backward only if this is set too
+    in_backward: bool = False  # between the first backward hook and the end-of-backward callback
+    num_aborted: int = 0  # backwards that raised and were cleaned up at the next begin (tests)
 
 
 @dataclass
@@ -68,7 +84,7 @@ class EngineContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute device
     replicated: ReplicatedParams | None = None  # LoRA adapters: whole on every rank, one reduction per step
     reducer: GradReducer | None = None  # the units' gradient reductions in flight (reduce.py)
-    step: StepState = field(default_factory=StepState)  # per-iteration root state (step.py)
+    step: StepState = field(default_factory=StepState)  # per-iteration root state (begin_iteration)
     # CPU offload on an accelerator: the H2D copies of the shards, their casts and the all-gathers that read them
     # are issued on this stream (FSDP2's copy-in stream), so the compute stream never queues behind a PCIe copy.
     copy_stream: Any = None
@@ -216,7 +232,7 @@ class Unit:
         return output
 
     def reset(self) -> None:
-        """Iteration boundary (step.py): resharded, no gradient expected any more."""
+        """Iteration boundary (begin_iteration, _end_backward): resharded, no gradient expected any more."""
         if self.state is not ShardState.SHARDED:
             self.reshard()
         self._pending_post_backward.clear()
@@ -304,6 +320,52 @@ class Unit:
             self.ctx.reducer.reduce(self.flats[i], torch.zeros_like(self._leaves[i]),
                                     sync=self.ctx.step.requires_grad_sync)
         self._pending_post_backward.clear()
+
+
+def begin_iteration(ctx: EngineContext) -> None:
+    """Root pre-forward. Also drops what a forward without backward (eval with grad on) left behind."""
+    if ctx.step.in_backward:
+        ctx.reducer.abandon()
+        for r in (ctx.replicated, ctx.vocab_replicas):
+            if r is not None:
+                r.abandon()
+        ctx.step.in_backward = False
+        ctx.step.num_aborted += 1
+    else:
+        # The previous backward's offloaded gradients: add them on the host now (syncs on their D2H events) so
+        # host buffers do not pile up over micro-steps.
+        ctx.reducer.wait()
+    for u in [*ctx.units, ctx.root]:
+        u.reset()
+
+
+def start_backward(ctx: EngineContext) -> None:
+    """First backward hook of the iteration: arrange for `end_backward` once autograd is done."""
+    if not ctx.step.in_backward:
+        ctx.step.in_backward = True
+        # Runs once the whole backward pass is done (CPU: on this thread; CUDA: after queued kernels). Not run when
+        # the backward raises: `begin_iteration` cleans up then.
+        torch.autograd.Variable._execution_engine.queue_callback(_end_backward(ctx))
+
+
+def _end_backward(ctx: EngineContext) -> Callable[[], None]:
+    def run() -> None:
+        for u in [*ctx.units, ctx.root]:
+            u.reduce_missing_grads()  # zeros: every rank runs the same collectives in the same order
+        sync = ctx.step.requires_grad_sync
+        once = sync and ctx.step.requires_all_reduce  # the trainer: a step's last micro-step
+        replicas = [r for r in (ctx.replicated, ctx.vocab_replicas) if r is not None] if once else []
+        if ctx.vocab_replicas in replicas:  # offload: the tables' D2H copies summed into the bucket first (host waits)
+            ctx.reducer.add_host_copies(lambda flat: flat.local)
+        for r in replicas:
+            r.start_reduce()  # adapters (and hybrid vocab tables): one bucketed all-reduce, after the reductions
+        ctx.reducer.finish_backward()
+        for r in replicas:
+            r.finish_reduce()
+        for u in [*ctx.units, ctx.root]:
+            u.reset()
+        ctx.step.in_backward = False
+    return run
 
 
 class _InputsGradHook(torch.autograd.Function):
