@@ -147,6 +147,8 @@ def test_resume_on_other_data_needs_force_and_keeps_the_previous_recipe(referenc
     assert len(truncated) == 1 and truncated[0].startswith("warning: ") and ".py" not in truncated[0], forced.stderr
     assert (run_dir / "recipes" / "step_6.yaml").read_text() == previous
     assert "seq_len: 20" in (run_dir / "recipe.yaml").read_text() and max(losses(run_dir)) == 7
+    # the new lr applies from the resumed step: step 7 of a cosine over 7 steps peaking at 1e-3, as a fresh run's
+    assert metrics(run_dir)[-1]["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 6 / 7)), rel=1e-12)
 
 
 def test_a_new_lr_and_max_steps_on_resume_apply_from_the_resumed_step(reference, tmp_path):

@@ -134,3 +134,31 @@ def test_only_the_first_node_keeps_the_recipe_history(run_dir, monkeypatch, caps
         check_resume(cfg, to_recipe(cfg), 2)
         assert (run_dir / "recipes" / "step_6.yaml").is_file() == kept
         assert ("train.lr" in capsys.readouterr().err) == kept
+
+
+def test_the_notice_compares_with_what_the_checkpoint_trained_with(tmp_path, capsys):
+    """recipe.yaml is the last launch's: one that set train.lr=1e-4 and stopped before it saved left it there. The
+    checkpoint (lr 3e-3) is what resumes: 1e-4 is a change, 3e-3 none. Resumed into a new train.output_dir (no
+    recipe.yaml there), the change is still said."""
+    from omegaconf import OmegaConf
+
+    from shardtune.checkpoint.resume_check import check_resume, trained_recipe
+
+    run = tmp_path / "run"
+    base = [*BASE, f"train.output_dir={run}"]
+    trained = to_recipe(load_recipe_config("tiny-cpu", base))
+    ckpt = run / "checkpoints" / "step_6"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 6, "world_size": 2, "fingerprint": fingerprint(trained, 2),
+                                                    "recipe": trained_recipe(trained)}))
+    OmegaConf.save(load_recipe_config("tiny-cpu", [*base, "train.lr=1e-4"]), run / "recipe.yaml")  # stale
+    for lr, said in (("1e-4", "resume from step_6 with changes (train.lr 0.003 -> 0.0001); the previous recipe is "
+                               f"kept as {run / 'recipes' / 'step_6.yaml'}"), ("3e-3", None)):
+        cfg = load_recipe_config("tiny-cpu", [*base, f"train.lr={lr}"])
+        check_resume(cfg, to_recipe(cfg), 2)
+        err = capsys.readouterr().err
+        assert (err.strip() == said) if said else "train.lr" not in err, err
+    elsewhere = [*BASE, f"train.output_dir={tmp_path / 'new'}", f"train.resume={ckpt}", "train.lr=1e-4"]
+    cfg = load_recipe_config("tiny-cpu", elsewhere)
+    check_resume(cfg, to_recipe(cfg), 2)
+    assert capsys.readouterr().err.strip() == f"resume from {ckpt} with changes (train.lr 0.003 -> 0.0001)"

@@ -5,7 +5,9 @@ On resume the launcher compares it with the recipe's:
 - the model, tokenizer or LoRA shape differ: the checkpoint cannot be loaded into this model -> exit 2, naming keys;
 - the data or the objective differ (sources, format, seq_len, packing, seed, global batch...): continuing would mix
   two trainings silently -> exit 2 unless `train.resume=force`;
-- anything else (lr, schedule, max_steps, logging...): allowed, with a one-line notice, and the recipe the run had
+- anything else (lr, schedule, max_steps, logging...): allowed, and applied from the resumed step as if the run had
+  started with it (checkpoint/manager.py restores only the scheduler's step counter), with a one-line notice of
+  what changed since the checkpoint (its trainer.json holds the recipe it trained with); the recipe the run had
   until now is kept as `recipes/step_N.yaml` beside the new `recipe.yaml`.
 A different world size keeps the global batch: `train.grad_accum` is scaled when the recipe kept the checkpoint's
 micro-batch and accumulation and the new world divides the global batch; otherwise exit 2 with values that work.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,8 @@ DATA = ("data.path", "data.format", "data.fields", "data.seq_len", "data.packing
         "data.eval_fraction", "model.chat_template", "train.seed", "lora.alpha", "global_batch", "train.objective",
         "dpo.beta", "dpo.loss", "dpo.label_smoothing", "dpo.sft_warmup_steps", "dpo.precompute_reference")
 # Not compared with the previous recipe: where and how this launch runs, and the resume choice itself.
-_NOT_RECIPE = ("launch.", "hardware.", "train.resume", "description", "train.grad_accum", "train.micro_batch_size")
+_NOT_RECIPE = ("launch.", "hardware.", "train.resume", "description", "train.grad_accum", "train.micro_batch_size",
+               "train.output_dir")
 
 
 def _architecture(recipe: Recipe) -> str:
@@ -199,18 +203,39 @@ def _flat(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def trained_recipe(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as each checkpoint's trainer.json holds it (written by the worker, read back by `_trained_with`):
+    what the checkpoint trained with, compared on resume."""
+    return json.loads(json.dumps(asdict(recipe)))
+
+
+def _trained_with(cfg: DictConfig, ckpt: Path, prev_file: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(what the checkpoint trained with, what this launch trains with), as flat keys. The checkpoint's own record,
+    not recipe.yaml: that is the last launch's, which may have changed a key and stopped before saving. A
+    checkpoint written before trainer.json held its recipe: recipe.yaml (None without one)."""
+    trained = json.loads((ckpt / TRAINER_FILE).read_text()).get("recipe")
+    if trained is not None:
+        return _flat(trained), _flat(trained_recipe(_to_recipe(cfg)))
+    return (_flat(OmegaConf.load(prev_file)), _flat(cfg)) if prev_file.is_file() else None
+
+
 def _keep_recipe_history(cfg: DictConfig, ckpt: Path, forced: list[str]) -> None:
-    """Save the run's previous recipe.yaml as recipes/step_N.yaml (N: the step it trained up to) when this launch
-    changes it, and say what changed in one line."""
+    """When this launch changes what the checkpoint trained with, say what changed in one line and save the run's
+    previous recipe.yaml as recipes/step_N.yaml (N: the step it trained up to)."""
     run_dir = Path(str(cfg.train.output_dir))
     prev_file = run_dir / "recipe.yaml"
-    if not prev_file.is_file():
+    compared = _trained_with(cfg, ckpt, prev_file)
+    if compared is None:
         return
-    prev = _flat(OmegaConf.load(prev_file))
-    now = _flat(cfg)
+    prev, now = compared
     changed = [f"{k} {prev[k]!r} -> {now[k]!r}" for k in now
                if k in prev and prev[k] != now[k] and not k.startswith(_NOT_RECIPE)]
     if not changed and not forced:
+        return
+    named = {c.split(" ")[0] for c in changed}
+    what = "; ".join(changed + [f for f in forced if f.split(" ")[0] not in named])
+    if not prev_file.is_file():  # resumed from another run's checkpoint into a new train.output_dir
+        print(f"resume from {ckpt} with changes ({what})", file=sys.stderr)
         return
     history = run_dir / "recipes"
     try:
@@ -222,6 +247,4 @@ def _keep_recipe_history(cfg: DictConfig, ckpt: Path, forced: list[str]) -> None
     while keep.exists():  # resumed at this step before: keep every version
         keep, n = history / f"{ckpt.name}.{n}.yaml", n + 1
     write_text_atomic(keep, prev_file.read_text())  # a full disk: one line, and no empty step_N.yaml left
-    named = {c.split(" ")[0] for c in changed}
-    what = "; ".join(changed + [f for f in forced if f.split(" ")[0] not in named])
     print(f"resume from {ckpt.name} with changes ({what}); the previous recipe is kept as {keep}", file=sys.stderr)

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shardtune import accelerator
 from shardtune import checkpoint as ckpt
-from shardtune.checkpoint.resume_check import fingerprint
+from shardtune.checkpoint.resume_check import fingerprint, trained_recipe
 from shardtune.config import Recipe
 from shardtune.config.schema import TrainConfig
 from shardtune.data import GlobalBatches, TokenizedData
@@ -237,7 +237,8 @@ def device_batches(run: Run, step: int) -> tuple[list[Any], int]:
 def save_checkpoint(run: Run, step: int) -> None:
     state = run.sharded.checkpoint_state(run.optimizer)
     info = {"world_size": run.rt.world_size, "backend": run.recipe.engine.backend, "lora": run.recipe.lora.enabled,
-            "fingerprint": fingerprint(run.recipe, run.rt.world_size)}  # what checkpoint/resume_check.py compares
+            "fingerprint": fingerprint(run.recipe, run.rt.world_size),  # what checkpoint/resume_check.py compares
+            "recipe": trained_recipe(run.recipe)}  # and what it says changed on resume
     run.checkpoints.save(step, state, run.scheduler, info,
                          write_hf=lambda d: write_export_info(run.model, run.tok, run.shapes, d))
 
