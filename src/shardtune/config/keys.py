@@ -27,29 +27,40 @@ class KeyInfo:
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """Field name -> its comment: the trailing one on its line, else the block of comment lines just above."""
+    """Field name -> its comment: the trailing one on its line with its continuation lines (comment lines below it
+    whose text is indented: `#   more`), else the block of comment lines just above."""
     src = inspect.getsource(cls)
     lines = src.splitlines()
-    trailing: dict[int, str] = {}
+    comments: dict[int, str] = {}  # line number -> the comment's raw text after '#'
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
-            trailing[tok.start[0]] = tok.string.lstrip("#").strip()
+            comments[tok.start[0]] = tok.string[1:]
     out = {}
     for i, line in enumerate(lines, 1):
         m = re.match(r"\s{4}(\w+)\s*:", line)
         if not m or line.lstrip().startswith("#"):
             continue
-        if i in trailing and not lines[i - 1].lstrip().startswith("#"):
-            out[m.group(1)] = trailing[i]
+        if i in comments:
+            text = [comments[i].strip()]
+            j = i + 1
+            while j <= len(lines) and lines[j - 1].lstrip().startswith("#") and _continues(comments.get(j, "")):
+                text.append(comments[j].strip())
+                j += 1
+            out[m.group(1)] = " ".join(text)
             continue
         block = []
         j = i - 1
-        while j >= 1 and lines[j - 1].lstrip().startswith("#"):
-            block.insert(0, trailing.get(j, ""))
+        while j >= 1 and lines[j - 1].lstrip().startswith("#") and not _continues(comments.get(j, "")):
+            block.insert(0, comments.get(j, "").strip())
             j -= 1
         if block:
             out[m.group(1)] = " ".join(block)
     return out
+
+
+def _continues(comment: str) -> bool:
+    """A comment line that continues the trailing comment above it: its text starts after more than one space."""
+    return comment.startswith("  ")
 
 
 def _default(f: Field) -> Any:
@@ -83,8 +94,8 @@ def schema_keys(cls: type = Recipe, prefix: str = "") -> list[KeyInfo]:
 
 def format_keys(prefix: str | None = None) -> str:
     keys = schema_keys()
-    if prefix:
-        keys = [k for k in keys if k.key == prefix or k.key.startswith(prefix.rstrip(".") + ".")]
+    if prefix:  # a section (train), a key (train.lr) or the start of key names (launch.threads, train.eval_)
+        keys = [k for k in keys if k.key.startswith(prefix)]
         if not keys:
             sections = sorted({k.key.split(".")[0] for k in schema_keys()})
             raise UserError(f"keys: no recipe key starts with '{prefix}': try one of the sections {sections}")

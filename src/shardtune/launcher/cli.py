@@ -231,8 +231,9 @@ def recipes() -> None:
 
 
 @app.command()
-def keys(prefix: str | None = typer.Argument(None, help="Only keys under this section or prefix, e.g. train or "
-                                              "model.path (default: every key).")) -> None:
+def keys(prefix: str | None = typer.Argument(None, help="Only keys that start with this: a section (train), a "
+                                              "key (model.path) or the start of a name (launch.threads) (default: "
+                                              "every key).")) -> None:
     """List every recipe key with its type, default and meaning (from the schema); set one as KEY=VALUE."""
     from shardtune.config.keys import format_keys
 
