@@ -191,3 +191,32 @@ def test_context_parallel_refuses_dpo_and_sliding_windows_in_one_line(tmp_path, 
         code, out, err = run_cli(["validate", *args, "engine.context_parallel=true"], capsys)
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1 and "engine.context_parallel" in lines[0], (args, out, err)
+
+
+@pytest.mark.parametrize("override,line", [
+    ("lora.target_modules=q_proj,v_proj", "error: override: key 'lora.target_modules' takes a list, got 'q_proj,v_proj': "
+     "write lora.target_modules=[q_proj,v_proj] (a YAML list, in brackets)"),
+    ("lora=true", "error: override lora=true: 'lora' is a section of keys, not a value: write lora.enabled=true "
+     "(`shardtune keys lora` lists its keys)"),
+    ("train=3", "error: override train=3: 'train' is a section of keys, not a value: write train.KEY=VALUE "
+     "(`shardtune keys train` lists its keys)"),
+])
+def test_a_list_or_section_given_one_value_names_the_fix(override, line, capsys):
+    """Issue 59: these surfaced OmegaConf's own messages ("AnyNode is not a ListConfig", "Merge error: bool is not a
+    subclass of LoraConfig") without the key or the fix. The executable's: tests/integration/test_data_tools.py."""
+    code, _, err = run_cli(["validate", "tiny-cpu", override], capsys)
+    assert code == 2 and err.strip() == line, err
+
+
+def test_the_same_in_a_recipe_file(tmp_path, capsys):
+    section = tmp_path / "section.yaml"
+    section.write_text("lora: true\n")
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("lora:\n  enabled: true\n  target_modules: q_proj,v_proj\n")
+    code, _, err = run_cli(["validate", str(section)], capsys)
+    assert code == 2 and err.strip() == (f"error: {section}: 'lora' is a section of keys, not a value: write "
+                                         "lora: {enabled: true} (`shardtune keys lora` lists its keys)"), err
+    code, _, err = run_cli(["validate", str(listed)], capsys)
+    assert code == 2 and err.strip() == (f"error: {listed}: key 'lora.target_modules' takes a list, got "
+                                         "'q_proj,v_proj': write target_modules: [q_proj, v_proj] (a YAML list, in "
+                                         "brackets)"), err

@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from shardtune.bundled import DATA_DIR, RECIPES_DIR
 from shardtune.config.model_folder import apply_model_folder
-from shardtune.config.overrides import SAFE_LOADER, parse_overrides
+from shardtune.config.overrides import SAFE_LOADER, check_section_value, parse_overrides
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
 from shardtune.hub import is_hub_id
@@ -83,6 +83,12 @@ def _friendly(err: Exception, source: str) -> UserError:
     if key in _ONE_COLUMN and "ListConfig" in msg:  # Alpaca's instruction + input as one list of fields
         return UserError(f"{source}: key '{key}' names one column, got a list: put the extra context's column in "
                          "data.input_field (format=instruction), or combine the columns in the file")
+    if "is not a ListConfig" in msg and key:  # a list key given one value, e.g. `q_proj,v_proj` unbracketed
+        items = [str(x).strip() for x in str(getattr(err, "value", "")).split(",") if str(x).strip()] or ["..."]
+        fix = (f"{key}=[{','.join(items)}]" if source == "override" else
+               f"{key.rsplit('.', 1)[-1]}: [{', '.join(items)}]")
+        return UserError(f"{source}: key '{key}' takes a list, got {getattr(err, 'value', None)!r}: write {fix} "
+                         "(a YAML list, in brackets)")
     if key:
         return UserError(f"{source}: key '{key}': {msg}")
     return UserError(f"{source}: {msg}")
@@ -153,6 +159,8 @@ def _load(recipe: str | Path, overrides: list[str]) -> tuple[DictConfig, Recipe]
         raw = {}
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a recipe must be a YAML mapping of sections (model:, train:, ...)")
+    for key, value in raw.items():
+        check_section_value(str(key), value, str(path))
     try:
         cfg = OmegaConf.merge(_schema(), OmegaConf.create(raw))  # merge copies: the cached schema stays untouched
     except OmegaConfBaseException as e:

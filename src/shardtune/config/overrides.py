@@ -42,8 +42,10 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         key = key.strip()
         if not sep or not key:
             raise UserError(f"override '{o}' is not KEY=VALUE: write e.g. train.lr=1e-4")
+        value = override_value(key, text)
+        check_section_value(key, value, f"override {o}")
         try:
-            OmegaConf.update(out, key, override_value(key, text), merge=True)
+            OmegaConf.update(out, key, value, merge=True)
         except OmegaConfBaseException as e:
             raise UserError(f"override '{o}': {str(e).splitlines()[0]}: write KEY=VALUE, e.g. train.lr=1e-4") from None
     return out
@@ -83,3 +85,28 @@ def is_string_key(key: str) -> bool:
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
         else (hint,)
     return str in args and all(a in (str, type(None)) for a in args)
+
+
+def section_class(key: str) -> type | None:
+    """The schema dataclass when `key` names a section (lora, train, ...), else None."""
+    cls: Any = Recipe
+    for part in key.split("."):
+        if not is_dataclass(cls) or part not in _hints(cls):
+            return None
+        cls = _hints(cls)[part]
+    return cls if is_dataclass(cls) else None
+
+
+def check_section_value(key: str, value: Any, source: str) -> None:
+    """A section given a value instead of its keys (`lora=true`; OmegaConf's own error names neither the key nor
+    the fix): one line naming the key to set, `lora.enabled=true` when the section has that switch."""
+    cls = section_class(key)
+    if cls is None or isinstance(value, dict):
+        return
+    switch = "enabled" in _hints(cls) and isinstance(value, bool)
+    if source.startswith("override"):
+        fix = f"{key}.enabled={str(value).lower()}" if switch else f"{key}.KEY=VALUE"
+    else:
+        fix = f"{key}: {{enabled: {str(value).lower()}}}" if switch else f"{key}: {{KEY: VALUE}}"
+    raise UserError(f"{source}: '{key}' is a section of keys, not a value: write {fix} (`shardtune keys {key}` "
+                    "lists its keys)")
