@@ -67,13 +67,15 @@ class ExpertLora(nn.Module):
             self.lora_B.zero_()
 
 
-def apply_expert_lora(model: nn.Module, *, r: int, alpha: float, seed: int) -> list[str]:
-    """Add adapters to every expert weight (frozen base); returns the weight names adapted (peft target_parameters).
-    Drawn on the host from `seed`, in module order: the same on every rank, whether the base is real or on meta."""
+def apply_expert_lora(model: nn.Module, *, weights: list[str], r: int, alpha: float, seed: int) -> list[str]:
+    """Add adapters to the expert weights named in `weights` (frozen base); returns the weight names adapted (peft
+    target_parameters). Only those: the export writes one peft wrapper per name of target_parameters, so an adapter
+    on a weight not named there could not be saved. Drawn on the host from `seed`, in module order: the same on
+    every rank, whether the base is real or on meta."""
     generator = torch.Generator().manual_seed(seed)
     adapted: list[str] = []
     for _, m in expert_modules(model):
-        for w in expert_weights(m):
+        for w in (w for w in expert_weights(m) if w in weights):
             e, fan_in, fan_out = in_out(m, w)
             lora = ExpertLora(e, fan_in, fan_out, r=r, alpha=alpha)
             lora.reset(generator)

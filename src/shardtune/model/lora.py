@@ -55,11 +55,20 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, base_name: str | None = Non
     # adapter would name an architecture file as its base. The base is what the caller says (None: on no disk).
     config.base_model_name_or_path = base_name
     if targets.expert_weights:
-        apply_expert_lora(model, r=cfg.r, alpha=cfg.alpha, seed=seed)
+        apply_expert_lora(model, weights=targets.expert_weights, r=cfg.r, alpha=cfg.alpha, seed=seed)
         config.target_parameters = list(targets.expert_weights)  # what PeftModel.from_pretrained re-creates
     if targets.has_experts:
         use_grouped_experts(model)
+    check_exportable(model, config)
     return model
+
+
+def check_exportable(model: nn.Module, config: PeftLoraConfig) -> None:
+    """The adapter's export rehearsed on shapes alone (meta tensors: no data, no memory, ~ms): adapters that would
+    train and then fail to be written as a PEFT folder stop the run here, before the first step, not at final/."""
+    shapes = {n: torch.empty(p.shape, device="meta") for n, p in model.named_parameters() if is_adapter(n)}
+    saved = peft_tensors(shapes, config)
+    assert len(saved) == len(shapes), f"{len(shapes)} adapter tensors map to {len(saved)} PEFT keys"
 
 
 def lora_config(model: nn.Module) -> PeftLoraConfig | None:
