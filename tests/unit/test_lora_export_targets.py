@@ -78,14 +78,14 @@ def test_an_adapter_that_cannot_be_exported_fails_before_training():
 
 
 def test_validate_rehearses_the_export(monkeypatch):
-    """validate's model check (moe_checks.model_problems) injects the adapters on its meta model, so the export
-    rehearsal runs before any training: a failure there stops `validate`, not the end of a run."""
+    """validate injects the adapters on a meta model (lora.rehearse_lora), so the export rehearsal runs before any
+    training: a failure there stops `validate`, not the end of a run."""
     from shardtune.config.load import load_recipe
+    from shardtune.launcher.validate import recipe_problems
     from shardtune.model import lora
-    from shardtune.model.moe_checks import model_problems
 
     recipe = load_recipe("tiny-lora-cpu")
     seen = []
     monkeypatch.setattr(lora, "check_exportable", lambda model, config: seen.append(sorted(config.target_modules)))
-    assert model_problems(recipe) == []
+    assert recipe_problems(recipe) == []
     assert seen == [sorted(recipe.lora.target_modules)]

@@ -11,13 +11,15 @@ from shardtune.errors import UserError
 from shardtune.startup import imports_without_gc
 
 if TYPE_CHECKING:  # the launcher loads transformers only when validate builds the model
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
-def recipe_problems(recipe: Recipe) -> list[str]:
+def recipe_problems(recipe: Recipe, notes: list[str] | None = None) -> list[str]:
+    """Every problem, one line each; `notes` (when given) gets what is worth saying about a valid recipe."""
     with imports_without_gc():
         from shardtune.data.check import data_problems
         from shardtune.model.build import build_tokenizer, check_vocab, load_config
+        from shardtune.model.lora import rehearse_lora
         from shardtune.model.moe_checks import model_problems
         from shardtune.plan.model_limits import seq_len_problem
         from shardtune.trainer.trackers import tracker_problems
@@ -32,6 +34,8 @@ def recipe_problems(recipe: Recipe) -> list[str]:
     try:
         hf_config = build_on_meta(recipe.model)
         problems += model_problems(recipe)
+        if recipe.lora.enabled and not problems:
+            rehearse_lora(recipe)
     except UserError as e:
         problems.append(str(e))
     try:
@@ -43,7 +47,32 @@ def recipe_problems(recipe: Recipe) -> list[str]:
     except UserError as e:
         if str(e) not in problems:  # an unreadable config: the build above said so already
             problems.append(str(e))
-    return problems + [line for p in data_problems(recipe.data, tok) for line in p.splitlines()]
+    problems += [line for p in data_problems(recipe.data, tok) for line in p.splitlines()]
+    if notes is not None and not problems:
+        notes += [n for n in [cached_data_passes(recipe, tok)] if n]
+    return problems
+
+
+def cached_data_passes(recipe: Recipe, tok: PreTrainedTokenizerBase) -> str | None:
+    """trainer/data_passes.py's line, when the data cache (`shardtune prepare`, or an earlier run) already counts
+    this data's training rows: validate reads only the head of the data, so without a cache it cannot say."""
+    from shardtune.config.schema import data_parallel_size
+    from shardtune.data import cache
+    from shardtune.data.sources import is_mix
+    from shardtune.launcher.launch import workers_per_node
+    from shardtune.trainer.data_passes import repeat_notice
+
+    t, d = recipe.train, recipe.data
+    if t.max_steps is None or is_mix(d):  # train.epochs sizes the run in passes already; a mix: per dataset
+        return None
+    manifest = cache.read_manifest(cache.cache_root(d, t.output_dir) / cache.cache_key(d, tok, t.seed))
+    if manifest is None:
+        return None
+    train = manifest["stats"]["train"]
+    nproc = workers_per_node(recipe)
+    world = data_parallel_size(recipe, nproc * recipe.launch.nnodes, nproc)
+    return repeat_notice(num_rows=train.get("pairs", train["rows"]), steps=t.max_steps,  # DPO counts pairs
+                         global_size=t.micro_batch_size * t.grad_accum * world)
 
 
 def build_on_meta(cfg: ModelConfig) -> PretrainedConfig:

@@ -71,6 +71,19 @@ def check_exportable(model: nn.Module, config: PeftLoraConfig) -> None:
     assert len(saved) == len(shapes), f"{len(shapes)} adapter tensors map to {len(saved)} PEFT keys"
 
 
+def rehearse_lora(recipe) -> None:  # recipe: Recipe
+    """validate's LoRA check: the adapters injected on a meta model (no memory; ~1 s for a 30B MoE) and their export
+    rehearsed (check_exportable): targets that would train and then fail to save final/ fail before any training."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model.build import load_config
+    from shardtune.model.loading import build_empty
+
+    model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
+    with torch.device("meta"):  # the adapters too (apply_lora makes expert adapters on the default device)
+        apply_lora(model, recipe.lora, seed=recipe.train.seed)
+
+
 def lora_config(model: nn.Module) -> PeftLoraConfig | None:
     """The LoraConfig peft recorded on the model, or None without LoRA."""
     return getattr(model, "peft_config", {}).get(ADAPTER)

@@ -101,15 +101,4 @@ def model_problems(recipe) -> list[str]:  # recipe: Recipe
     from shardtune.model.build import load_config
     from shardtune.model.loading import build_empty
 
-    model = build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model)))
-    problems = moe_problems(recipe, model)
-    if recipe.lora.enabled and not problems:
-        import torch
-
-        from shardtune.model.lora import apply_lora
-
-        # The adapters injected on the meta model (no memory; ~1 s for a 30B MoE) and their export rehearsed
-        # (lora.check_exportable): targets that would train and then fail to save final/ fail now, not after the run.
-        with torch.device("meta"):
-            apply_lora(model, recipe.lora, seed=recipe.train.seed)
-    return problems
+    return moe_problems(recipe, build_empty(lambda: AutoModelForCausalLM.from_config(load_config(recipe.model))))
