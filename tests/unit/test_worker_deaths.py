@@ -11,7 +11,7 @@ import pytest
 
 from shardtune.trainer import worker
 from shardtune.trainer.signals import SETUP_INTERRUPTS, StopRequest
-from shardtune.trainer.worker_deaths import EXIT_WORKER_DIED, describe, rank_log
+from shardtune.trainer.worker_deaths import EXIT_WORKER_DIED, checkpoint_line, describe, rank_log
 
 PEER_LOST = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: [pair.cc:553] "
              "Connection closed by peer [127.0.0.1]:22164\n")
@@ -47,6 +47,43 @@ def test_an_exit_without_our_message_names_the_rank_and_its_log(tmp_path):
     assert code == EXIT_WORKER_DIED
     assert line == (f"rank 3 on node7 exited with code 7 without a message: see {rank_log(tmp_path, 3)}; "
                     "the other ranks were stopped")
+
+
+def complete_checkpoint(run: Path, step: int) -> Path:
+    ckpt = run / "checkpoints" / f"step_{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text("{}")
+    return ckpt
+
+
+def test_the_line_names_the_newest_checkpoint_and_the_command_that_resumes_it(tmp_path):
+    """The death line ends with what a relaunch continues from: the newest complete checkpoint (not one whose save
+    the death cut short) and the command that was run, which resumes it (train.resume=auto by default)."""
+    argv = ["train", "my recipe.yaml", f"train.output_dir={tmp_path}", "train.save_every=3"]
+    complete_checkpoint(tmp_path, 3)
+    newest = complete_checkpoint(tmp_path, 6)
+    (tmp_path / "checkpoints" / ".tmp-step_9").mkdir()  # being written when the worker died
+    assert checkpoint_line(tmp_path, argv, resume="auto", save_every=3) == (
+        f"checkpoint: {newest}: resume with `shardtune train 'my recipe.yaml' train.output_dir={tmp_path} "
+        "train.save_every=3`")
+
+
+def test_a_run_started_from_a_named_checkpoint_resumes_from_its_newest(tmp_path):
+    """train.resume named a checkpoint (or none): the same command would load that one again (or start over), so
+    the command says train.resume=auto."""
+    newest = complete_checkpoint(tmp_path, 6)
+    argv = ["train", "r.yaml", "train.resume=elsewhere/checkpoints/step_3", "train.lr=1e-4"]
+    assert checkpoint_line(tmp_path, argv, resume="elsewhere/checkpoints/step_3", save_every=3) == (
+        f"checkpoint: {newest}: resume with `shardtune train r.yaml train.lr=1e-4 train.resume=auto`")
+
+
+def test_without_a_checkpoint_the_line_says_so_and_what_the_command_does(tmp_path):
+    assert checkpoint_line(tmp_path, ["train", "r.yaml"], resume="auto", save_every=0) == (
+        "checkpoint: none (train.save_every=0): `shardtune train r.yaml` starts the run again from step 0")
+    assert checkpoint_line(tmp_path, ["train", "r.yaml", "train.resume=old/step_3"], resume="old/step_3",
+                           save_every=5) == (
+        "checkpoint: none newer than old/step_3 (train.save_every=5): `shardtune train r.yaml "
+        "train.resume=old/step_3` resumes from it again")
 
 
 def test_a_traceback_is_an_internal_error_unless_a_peer_was_lost(tmp_path):

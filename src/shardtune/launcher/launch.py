@@ -24,7 +24,8 @@ from shardtune.disk import check_dir_creatable, write_text_atomic
 from shardtune.errors import UserError
 from shardtune.launcher.run_lock import RunLock
 from shardtune.plan.model_limits import check_model_limits
-from shardtune.trainer.worker_deaths import describe, first_failure, last_traceback, rank_log, read_report
+from shardtune.trainer.worker_deaths import (checkpoint_line, describe, first_failure, last_traceback, rank_log,
+                                             read_report)
 
 USER_ERROR_FILE = ".user_error"
 EXIT_CODE_FILE = ".exit_code"  # a worker's documented exit code (preempted 75, diverged 4) survives torchrun
@@ -224,7 +225,7 @@ def _start(cfg: DictConfig, recipe: Recipe, nproc: int, header: str) -> int:
         print(f"shardtune: {message}", file=sys.stderr)
         return int(worker_code)
     if code != 0 and failures:
-        return _report_death(failures, run_dir, nproc * recipe.launch.nnodes)
+        return _report_death(failures, recipe, nproc * recipe.launch.nnodes)
     return code
 
 
@@ -239,10 +240,13 @@ def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
     return proc.wait()
 
 
-def _report_death(failures: list[dict], run_dir: Path, world_size: int) -> int:
-    """One line for the first worker that died; an internal error also shows its traceback (from its log)."""
+def _report_death(failures: list[dict], recipe: Recipe, world_size: int) -> int:
+    """One line for the first worker that died, ending with the checkpoint a relaunch continues from and the exact
+    command (this one, sys.argv); an internal error also shows its traceback (from its log)."""
+    run_dir = Path(recipe.train.output_dir)
     code, line = describe(failures, run_dir, world_size)
     if code == 1:
         sys.stderr.write(last_traceback(rank_log(run_dir, first_failure(failures, run_dir)["rank"])))
-    print(f"shardtune: {line}", file=sys.stderr)
+    saved = checkpoint_line(run_dir, sys.argv[1:], resume=recipe.train.resume, save_every=recipe.train.save_every)
+    print(f"shardtune: {line}; {saved}", file=sys.stderr)
     return code

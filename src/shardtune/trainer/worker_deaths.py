@@ -4,13 +4,17 @@ The agent (launcher/agent.py) reports how each failed worker ended; a worker's o
 divergence) are handled before this (launcher/launch.py). Each worker's stderr goes to `<run>/logs/rank_N.log` (trainer/worker.py):
 a native crash report or our traceback lands there, not on the console, so a rank that merely lost its peer
 (a gloo "connection closed" error) adds no traceback to the one line about the rank that died first.
-No torch here: the launcher stays light.
+The line ends with what a relaunch continues from (`checkpoint_line`): the newest complete checkpoint and the
+exact command that resumes it, or that there is none. No torch here: the launcher stays light.
 """
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 from pathlib import Path
+
+from shardtune.checkpoint.paths import newest_complete
 
 EXIT_WORKER_DIED = 5  # a worker was killed by a signal, or exited with no message of ours: see its log
 LOG_DIR = "logs"
@@ -93,3 +97,18 @@ def describe(failures: list[dict], run_dir: Path, world_size: int) -> tuple[int,
     if code == 2:  # a user error the worker could not hand over (a full disk): it printed it above
         return 2, f"rank {rank} on {host} stopped on the error above{others}"
     return EXIT_WORKER_DIED, f"rank {rank} on {host} exited with code {code} without a message: see {log}{others}"
+
+
+def checkpoint_line(run_dir: Path, argv: list[str], *, resume: str, save_every: int) -> str:
+    """The newest complete checkpoint in `run_dir` and the command that resumes from it: `shardtune ARGV` (the
+    command that was run), with train.resume=auto when `resume` (train.resume) named a checkpoint or none, since the
+    same command would then load that one again or start over. Without one: what the same command does."""
+    same = shlex.join(["shardtune", *argv])
+    newest = newest_complete(run_dir / "checkpoints")
+    if newest is not None:
+        again = same if resume in ("auto", "force") else shlex.join(
+            ["shardtune", *(a for a in argv if not a.startswith("train.resume=")), "train.resume=auto"])
+        return f"checkpoint: {newest}: resume with `{again}`"
+    if resume in ("auto", "force", "none"):
+        return f"checkpoint: none (train.save_every={save_every}): `{same}` starts the run again from step 0"
+    return f"checkpoint: none newer than {resume} (train.save_every={save_every}): `{same}` resumes from it again"
