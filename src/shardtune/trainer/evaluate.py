@@ -99,3 +99,18 @@ def exact_match(model: nn.Module, tok: PreTrainedTokenizerBase, samples: list[di
                   for t, s in zip(texts, samples))
     model.train(was_training)
     return correct / len(samples)
+
+
+def accuracy_before(model: nn.Module, tok: PreTrainedTokenizerBase, samples: list[dict[str, Any]], rt: Runtime, *,
+                    start_step: int, recorded: dict[str, Any] | None) -> tuple[float | None, str]:
+    """The demo's "before" accuracy and what the summary line says it is. A fresh run measures it at step 0. A
+    resumed run reports the one its first launch measured at step 0 (`recorded`: the checkpoint carries it), so
+    before -> after is the whole run's, as without the resume; a checkpoint without it (written before it was
+    recorded, or demo_eval was off then, or over another number of samples) is measured now, at the resumed step."""
+    if not samples:
+        return None, ""
+    if start_step == 0:
+        return exact_match(model, tok, samples, rt), ""
+    if recorded is not None and recorded.get("samples") == len(samples):
+        return recorded["accuracy"], f" (at step 0, recorded before the resume at step {start_step})"
+    return exact_match(model, tok, samples, rt), f" (at step {start_step}, where this run resumed)"

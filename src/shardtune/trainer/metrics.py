@@ -72,7 +72,8 @@ class MetricsLog:
         plot_loss(self.history, run_dir / "loss.png")
 
 
-    def print_summary(self, acc_before: float | None, acc_after: float | None) -> None:
+    def print_summary(self, acc_before: float | None, acc_after: float | None, before_note: str = "") -> None:
+        """`before_note`: what "before" was after a resume (trainer/evaluate.py accuracy_before)."""
         from rich.console import Console
         from rich.table import Table
 
@@ -89,7 +90,8 @@ class MetricsLog:
         console = Console()
         console.print(table)
         if acc_before is not None and acc_after is not None:
-            console.print(f"held-out exact-match accuracy: before {acc_before:.1%} -> after {acc_after:.1%}")
+            console.print(f"held-out exact-match accuracy: before {acc_before:.1%}{before_note} -> after "
+                          f"{acc_after:.1%}", soft_wrap=True)  # one line, whatever the console's width
 
 
 def _read_until(path: Path, step: int) -> list[dict[str, Any]]:
