@@ -158,7 +158,16 @@ def _slug(heading: str) -> str:  # GitHub's anchor for a heading
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-@pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+RESULTS = REPO / "bench" / "RESULTS.md"
+
+
+def test_the_readme_and_the_results_stay_short():
+    """Issue 59: a README a newcomer reads (the guides hold the rest) and today's figures (git holds the diary)."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 400
+    assert len(RESULTS.read_text().splitlines()) <= 800
+
+
+@pytest.mark.parametrize("doc", [*doc_files(), RESULTS], ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_lead_to_files_and_headings(doc):
     text = doc.read_text()
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
