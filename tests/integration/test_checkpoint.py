@@ -3,8 +3,10 @@ exit codes, refusals) through the real CLI; the numbers after a resume through f
 the same launcher checks and worker without the CLI's start-up."""
 from __future__ import annotations
 
+import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -13,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from shardtune.checkpoint.paths import newest_complete
 from shardtune.trainer.worker_deaths import EXIT_WORKER_DIED
 from tests.integration import forked
-from tests.integration.runs import FAST, cli, descendants, losses, metrics, start, wait_for
+from tests.integration.runs import FAST, cli, descendants, losses, metrics, start, summary, wait_for
 
 
 def overrides(run_dir: Path, *extra: str) -> list[str]:
@@ -58,6 +61,9 @@ def test_a_worker_killed_by_sigkill_is_one_line_and_its_checkpoint_resumes(tmp_p
     assert proc.returncode == EXIT_WORKER_DIED, err[-3000:]
     assert err.splitlines() == [err.strip()] and "rank 1 on " in err and "SIGKILL" in err, err[-3000:]
     assert "out-of-memory killer" in err and "the other ranks were stopped" in err
+    newest = newest_complete(run_dir / "checkpoints")  # step_3 or later: what the relaunch below continues from
+    assert err.strip().endswith(f"; the other ranks were stopped; checkpoint: {newest}: resume with "
+                                f"`{shlex.join(['shardtune', *train_args(run_dir, 'train.max_steps=1000')])}`"), err
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
     assert "Traceback" not in err and "ChildFailedError" not in err
     assert not (run_dir / "final").exists()
@@ -95,9 +101,12 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     proc = start(*default_save_args(run_dir, "train.max_steps=500"), cwd=tmp_path)
     wait_for(lambda: len(metrics(run_dir)) >= 2, what="two steps")
     proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler or a user would
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]
     last = metrics(run_dir)[-1]["step"]
+    # 500 steps of 16 rows over 300 samples: the first lines say how many passes over the data that is
+    rows = json.loads(next((run_dir / "data_cache").glob("*/manifest.json")).read_text())["stats"]["train"]["rows"]
+    assert f"data: {rows:,} training rows -> 500 steps x 16 rows = {round(500 * 16 / rows, 2):g} epochs" in out, out
     assert (run_dir / "checkpoints" / f"step_{last}" / "trainer.json").exists()
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{last}"
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
@@ -182,6 +191,30 @@ def test_a_new_lr_and_max_steps_on_resume_apply_from_the_resumed_step(reference,
     assert all(rows[s]["loss"] != pytest.approx(ref[s], rel=1e-4) for s in (5, 6))  # trained at the new rates
 
 
+def test_the_demo_accuracy_line_after_a_resume_says_what_before_was(reference, tmp_path):
+    """The demo's held-out accuracy line is printed after a resume too. Its "before" is the step-0 figure the first
+    launch recorded in its checkpoint (the whole run's before -> after, as without the resume); from a checkpoint
+    without one (the reference ran without the demo) it is measured at the resumed step, and the line says so."""
+    demo = ["train.demo_eval=true", "train.demo_eval_samples=4"]
+    run_dir = tmp_path / "run"
+    first = forked.train("tiny-cpu", *overrides(run_dir, *demo, "train.max_steps=3"))
+    assert first.code == 0, first.err[-3000:]
+    before = summary(run_dir)["accuracy_before"]
+    again = forked.train("tiny-cpu", *overrides(run_dir, *demo, "train.max_steps=5"))
+    assert again.code == 0 and "resumed from" in again.out, again.err[-3000:]
+    after = summary(run_dir)
+    assert after["accuracy_before"] == before
+    assert (f"held-out exact-match accuracy: before {before:.1%} (at step 0, recorded before the resume at step 3) "
+            f"-> after {after['accuracy_after']:.1%}") in again.out.splitlines(), again.out[-3000:]
+    other = tmp_path / "other"
+    shutil.copytree(reference / "checkpoints" / "step_3", other / "checkpoints" / "step_3")
+    run = forked.train("tiny-cpu", *overrides(other, *demo))
+    assert run.code == 0 and "resumed from" in run.out, run.err[-3000:]
+    got = summary(other)
+    assert (f"held-out exact-match accuracy: before {got['accuracy_before']:.1%} (at step 3, where this run resumed) "
+            f"-> after {got['accuracy_after']:.1%}") in run.out.splitlines(), run.out[-3000:]
+
+
 def test_resume_1_to_2_workers(reference, tmp_path):
     run_dir = tmp_path / "run"
     # One worker writes step_3 (same max_steps, so the same lr schedule); keep only that checkpoint.
@@ -237,6 +270,18 @@ def test_export_loads_and_reproduces_final_logits(reference, tmp_path):
     ids = torch.randint(4, 100, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, final(ids).logits, rtol=0, atol=0)
+    # generation_config.json (issue 59): from_pretrained + generate stop at the run's eos and pad with its pad, also
+    # for a checkpoint written before the trainer saved one beside it
+    tok = AutoTokenizer.from_pretrained(out)
+    old = tmp_path / "step_6"
+    shutil.copytree(reference / "checkpoints" / "step_6", old)
+    (old / "hf" / "generation_config.json").unlink()
+    export_checkpoint(old, tmp_path / "old-export")
+    for folder in (out, tmp_path / "old-export", reference / "final"):
+        gen = GenerationConfig.from_pretrained(folder)
+        assert (gen.eos_token_id, gen.pad_token_id) == (tok.eos_token_id, tok.pad_token_id), folder
+    with torch.no_grad():
+        assert exported.generate(ids[:1], max_new_tokens=3, do_sample=False).shape[1] <= 12 + 3
 
 
 def test_export_streams_one_file_at_a_time(reference, tmp_path):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from shardtune.checkpoint.generation import write_generation_config
 from shardtune.checkpoint.paths import TRAINER_FILE, latest_checkpoint
 from shardtune.checkpoint.writer import write_safetensors
 from shardtune.errors import UserError
@@ -54,6 +55,7 @@ def export_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int = 2 * 1024*
     for p in (ckpt / "hf").iterdir():
         if p.name != "params.json":
             shutil.copy(p, out / p.name)
+    write_generation_config(out)  # a checkpoint written before the trainer saved one has none
     return written
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from shardtune.checkpoint.generation import write_generation_config
 from shardtune.checkpoint.paths import TRAINER_FILE
 from shardtune.checkpoint.writer import write_safetensors
 from shardtune.errors import UserError
@@ -63,7 +64,7 @@ def merge_checkpoint(ckpt: Path, out: Path, *, max_shard_bytes: int,
         from shardtune.model.build import load_config
 
         load_config(recipe.model).save_pretrained(out)
-    _generation_config(out)
+    write_generation_config(out)
     return written
 
 
@@ -145,8 +146,3 @@ def _merged(items: Iterator, deltas: dict, scale: float) -> list[tuple[str, int,
     assert not missing, f"adapters without a base weight: {missing[:3]}"
     return [(key, nbytes, reader(key, read)) for key, nbytes, read in items]
 
-
-def _generation_config(out: Path) -> None:
-    from transformers import AutoConfig, GenerationConfig
-
-    GenerationConfig.from_model_config(AutoConfig.from_pretrained(out, local_files_only=True)).save_pretrained(out)

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shardtune import accelerator
+from shardtune.checkpoint.generation import with_tokenizer_ids
 from shardtune.engine.api import ShardedModel
 from shardtune.engine.torch_backend import full_tensor
 from shardtune.model.lora import is_adapter, lora_config, save_adapter
@@ -38,9 +39,17 @@ def save_final(sharded: ShardedModel, hf_model: PreTrainedModel, tok: PreTrained
         raise
     tmp.replace(out / "model.safetensors")  # atomic: a crash never leaves a half-written model file
     hf_model.config.save_pretrained(out)
-    if hf_model.generation_config is not None:
-        hf_model.generation_config.save_pretrained(out)
+    _save_generation_config(hf_model, tok, out)
     tok.save_pretrained(out)
+
+
+def _save_generation_config(hf_model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path) -> None:
+    """The model's generation config (a pretrained model's own, else one from its config), stopping at the
+    tokenizer's eos too: what `from_pretrained(...).generate()` reads."""
+    from transformers import GenerationConfig
+
+    gen = hf_model.generation_config or GenerationConfig.from_model_config(hf_model.config)
+    with_tokenizer_ids(gen, tok).save_pretrained(out)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -61,7 +70,9 @@ def write_export_info(hf_model: PreTrainedModel, tok: PreTrainedTokenizerBase, s
     hf_model.config.save_pretrained(out)
     tok.save_pretrained(out)
     config = lora_config(hf_model)
-    if config is not None:
+    if config is None:
+        _save_generation_config(hf_model, tok, out)  # `shardtune export` copies it beside the full model
+    else:
         config.save_pretrained(str(out))  # adapter_config.json: `shardtune export` writes a PEFT adapter
         # The trainer read `shapes` before parallelize injected the adapters; adapters stay whole, read them now.
         shapes = {n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
