@@ -1,5 +1,5 @@
-"""KEY=VALUE overrides (config/overrides.py) as the recipe receives them: the README's examples as a shell passes
-them (a backslash and an n), Jinja, quoting; YAML values for the other keys. Through the executable:
+"""KEY=VALUE overrides (config/overrides.py) as the recipe receives them: the examples of docs/recipes.md as a shell
+passes them (a backslash and an n), Jinja, quoting; YAML values for the other keys. Through the executable:
 tests/integration/test_malformed_inputs.py."""
 from __future__ import annotations
 
