@@ -28,13 +28,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
 
 from shardtune.config.schema import context_parallel_refusal
+from shardtune.plan.candidate import Candidate
 from shardtune.plan.estimate import Setup, estimate
 from shardtune.plan.hardware import GiB
 from shardtune.plan.long_context import long_context_options
 from shardtune.plan.result import Plan, variant
+from shardtune.plan.same_run import canonical, distinct
 
 MFU = 0.4
 HOST_ADAM_GBPS = 10.0
@@ -186,41 +187,6 @@ def advice(plan: Plan) -> list[str]:
     return [t for _, t in sorted(out)]
 
 
-@dataclass(frozen=True)
-class Candidate:
-    plan: Plan
-    time: dict[str, float]
-
-    def overrides(self) -> str:
-        s = self.plan.setup
-        ck = "true" if s.checkpointing is True else ("false" if s.checkpointing is False else str(s.checkpointing))
-        parts = [f"engine.strategy={s.strategy}", f"engine.activation_checkpointing={ck}",
-                 f"engine.cpu_offload={'true' if s.offload else 'false'}", f"train.micro_batch_size={s.micro_batch}",
-                 f"train.grad_accum={s.grad_accum}"]
-        if s.lora != self.plan.recipe.lora.enabled:
-            parts.append(f"lora.enabled={'true' if s.lora else 'false'}")
-        if s.nf4 != (self.plan.recipe.lora.quantize_base == "nf4"):
-            parts.append(f"lora.quantize_base={'nf4' if s.nf4 else 'null'}")
-        if not s.device_is_cpu:
-            parts.append(f"engine.backward_schedule={s.backward_schedule}")
-        if s.loss_chunk != (self.plan.recipe.train.loss_chunk_tokens if self.plan.recipe.train.objective == "sft" else 0):
-            parts.append(f"train.loss_chunk_tokens={s.loss_chunk}")
-        if s.nf4 and s.nf4_tile_bytes and s.nf4_tile_bytes != int(self.plan.recipe.engine.nf4_tile_mb * (1 << 20)):
-            parts.append(f"engine.nf4_tile_mb={s.nf4_tile_bytes / (1 << 20):g}")
-        if s.vocab_parallel != (self.plan.recipe.engine.vocab_parallel and self.plan.recipe.engine.backend == "shardtune"):
-            parts.append(f"engine.vocab_parallel={'true' if s.vocab_parallel else 'false'}")
-        e = self.plan.recipe.engine
-        if s.lora and s.shard_adapter_states != (e.shard_adapter_states and e.backend == "shardtune"):
-            parts.append(f"engine.shard_adapter_states={'true' if s.shard_adapter_states else 'false'}")
-        if s.offload_activations != e.offload_activations:
-            parts.append(f"engine.offload_activations={'true' if s.offload_activations else 'false'}")
-        if s.mlp_chunk != e.mlp_chunk_tokens:
-            parts.append(f"engine.mlp_chunk_tokens={s.mlp_chunk}")
-        if (s.context_parallel > 1) != e.context_parallel and (s.context_parallel > 1 or s.shard_size > 1):
-            parts.append(f"engine.context_parallel={'true' if s.context_parallel > 1 else 'false'}")
-        return " ".join(parts)
-
-
 def context_parallel_allowed(plan: Plan) -> bool:
     """Whether engine.context_parallel could run this recipe: what config/schema.py and model/moe_checks.py (the
     sliding window) refuse."""
@@ -265,7 +231,7 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
     # changes nothing without LoRA, so those candidates take only the recipe's (no duplicate rows)
     sas = sorted({s.shard_adapter_states, plan.recipe.engine.backend == "shardtune" or s.shard_adapter_states})
     loras_sas = [(lo, q, sa) for lo, q in loras for sa in (sas if lo else [s.shard_adapter_states])]
-    out = []
+    out, tried = [], set()
     for strategy, sched, ck, off, m, (lo, q, sa), chunk, tile, vp in itertools.product(
             strategies, schedules, (False, True), (False, True), micro, loras_sas, chunks, tiles, vps):
         setup = dataclasses.replace(s, strategy=strategy, checkpointing=ck, offload=off, micro_batch=m,
@@ -274,8 +240,9 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                                     shard_adapter_states=sa, context_parallel=1)
         # the recipe's engine.context_parallel splits over this candidate's shard group (one rank: no split)
         setup = _split(setup, setup.shard_size if s.context_parallel > 1 else 1, s)
-        if setup is None:
+        if setup is None or (setup := canonical(setup, s)) in tried:
             continue
+        tried.add(setup)
         # The long-context knobs (plan/long_context.py) only ever add time: tried, in that order, only until one fits
         for offload_acts, mlp_chunk, cp in long_context_options(setup, can_split=can_split):
             setup = _split(dataclasses.replace(setup, offload_activations=offload_acts, mlp_chunk=mlp_chunk), cp, s)
@@ -288,8 +255,8 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
     # Equal predicted times are common (compute-bound with prefetch: comm hides under compute): prefer no offload,
     # no checkpointing, then the largest micro-batch (fewest micro-steps: the per-step overheads the model leaves
     # out), then the recipe's own strategy, loss chunking and NF4 tiling, so `train --fit` changes nothing it has no
-    # reason to change.
-    return sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.offload_activations,
+    # reason to change. Candidates that are one run (plan/same_run.py) are listed once.
+    return distinct(sorted(out, key=lambda c: (c.time["step_s"], c.plan.setup.offload, c.plan.setup.offload_activations,
                                       c.plan.setup.checkpointing is not False,
                                       -c.plan.setup.micro_batch, c.plan.setup.strategy != s.strategy,
                                       c.plan.setup.backward_schedule != s.backward_schedule,
@@ -297,4 +264,4 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
                                       c.plan.setup.nf4_tile_bytes != s.nf4_tile_bytes,
                                       c.plan.setup.vocab_parallel != s.vocab_parallel,
                                       c.plan.setup.shard_adapter_states != s.shard_adapter_states,
-                                      c.plan.setup.mlp_chunk != s.mlp_chunk))
+                                      c.plan.setup.mlp_chunk != s.mlp_chunk)))
