@@ -11,7 +11,8 @@ if TYPE_CHECKING:  # transformers and torch load only once the cheap checks have
 BAR_WIDTH = 40
 
 
-def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
+def prepare_recipe(recipe_arg: str, overrides: list[str], *, show: int | None = None) -> TokenizedData:
+    """Build or find the cache and print its report; `show`: then example N with its trained and masked spans."""
     from shardtune.config.load import load_recipe
     from shardtune.data.check import check_data_head
     from shardtune.launcher.launch import check_run_dirs
@@ -40,6 +41,10 @@ def prepare_recipe(recipe_arg: str, overrides: list[str]) -> TokenizedData:
     else:
         data = build_data(recipe.data, tok, seed=recipe.train.seed, output_dir=recipe.train.output_dir)
     print(format_report(data, seconds=time.perf_counter() - t0))
+    if show is not None:
+        from shardtune.data.show import show_example
+
+        print(show_example(data, tok, show))
     return data
 
 
@@ -94,7 +99,8 @@ def _describe(fields: dict[str, Any]) -> str:
     if fields["format"] == "chat" and not fields.get("messages_field"):  # TRL's prompt/completion layout
         keys = ("prompt_field", "response_field")
     cols = ", ".join(f"{k.removesuffix('_field')}={fields[k]}" for k in keys if fields.get(k))
-    extra = {"instruction": f"; template {fields.get('template')}", "chat": f"; style {fields.get('chat_style')}"}
+    extra = {"instruction": f"; template {fields.get('template')}", "chat": f"; style {fields.get('chat_style')}",
+             "preference": f"; template {fields.get('template')} for string prompts"}
     on_inputs = "; loss on inputs too" if fields.get("train_on_inputs") else ""
     return f"{fields['format']} ({cols}{extra.get(fields['format'], '')}{on_inputs})"
 
