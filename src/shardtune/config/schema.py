@@ -414,7 +414,7 @@ class LaunchConfig:
 @dataclass(kw_only=True)
 class HardwareConfig:
     gpu: str = "rtx4090-24gb"  # a profile in configs/hardware/ (what plan checks against)
-    num_gpus: int = 4  # GPUs per node that plan assumes
+    num_gpus: int = 4  # GPUs of the job, all nodes together: plan's world size when launch.nproc_per_node is auto
     host_ram_gb: float | None = None  # host RAM per node for plan and pre-flight (default: detected)
 
     def __post_init__(self) -> None:
