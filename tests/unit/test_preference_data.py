@@ -72,6 +72,17 @@ def test_string_pairs_render_the_prompt_as_sft_does(template):
     assert (chosen, chosen_labels) == (sft_ids, sft_labels)
 
 
+def test_a_template_on_conversational_pairs_is_warned_as_ignored(tmp_path):
+    """Their chat template renders them; data.template renders string prompts only (it was ignored silently)."""
+    turns = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "yo"}],
+             "rejected": [{"role": "assistant", "content": "no"}]}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(turns) + "\n")
+    cfg = DataConfig(path=str(path), format="preference", template="alpaca", eval_fraction=0.0)
+    with pytest.warns(UserWarning, match="data.template=alpaca is ignored: these preference rows are conversations"):
+        build_data(cfg, TOK, seed=0, output_dir=str(tmp_path))
+
+
 def test_chat_rows_and_remapped_fields(tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     rows = [{"q": msgs, "good": [{"role": "assistant", "content": "yo"}], "bad": "no"}] * 3
