@@ -62,6 +62,19 @@ def test_every_documented_command_parses(cmd, tmp_path, monkeypatch):
         load_recipe(recipe, overrides)  # every key exists and every value has its type
 
 
+SYNOPSES = [c for c in commands() if c not in EXAMPLES]
+
+
+@pytest.mark.parametrize("cmd", SYNOPSES, ids=[c.where for c in SYNOPSES])
+def test_synopsis_lines_name_real_options(cmd):
+    """A usage line (`shardtune train RECIPE [KEY=VALUE ...] [--fit]`) outside the README's synopsis block, which
+    test_cli_help checks both ways: every option it names exists."""
+    name = cmd.argv[0]
+    named = set(re.findall(r"(?<![\w-])--?[a-z][\w-]*", " ".join(cmd.argv[1:])))
+    options = {o for p in COMMANDS[name].params for o in p.opts if p.param_type_name == "option"}
+    assert named <= options, f"{cmd.where}: `shardtune {name}` has no {sorted(named - options)}"
+
+
 PLAN_FIGURES = [c for c in EXAMPLES if c.argv[0] == "plan" and re.search(r"peak [\d.]+ GiB", c.comment)]
 
 
