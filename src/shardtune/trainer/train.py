@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shardtune import accelerator
 from shardtune import checkpoint as ckpt
+from shardtune.checkpoint.paths import TRAINER_FILE
 from shardtune.checkpoint.resume_check import fingerprint, trained_recipe
 from shardtune.config import Recipe
 from shardtune.config.schema import TrainConfig
@@ -24,7 +25,8 @@ from shardtune.engine.api import ShardedModel
 from shardtune.hub import fetch_for_ranks, is_hub_id
 from shardtune.model import context_parallel
 from shardtune.model.build import build_model, build_tokenizer, check_vocab, load_config
-from shardtune.trainer.evaluate import demo_samples, exact_match
+from shardtune.trainer.data_passes import repeat_notice
+from shardtune.trainer.evaluate import accuracy_before, demo_samples, exact_match
 from shardtune.trainer.export import param_shapes, save_final, write_export_info
 from shardtune.trainer.metrics import MetricsLog
 from shardtune.trainer.objective import SftObjective, build_objective
@@ -61,6 +63,7 @@ class Run:
     shapes: dict[str, Any]  # trainable parameter names -> shape/dtype, read before sharding (for export)
     max_steps: int  # train.max_steps, or train.epochs over the training rows
     prefetched: tuple[int, list[Any], int] | None = None  # (step, its micro-batches on the device, normaliser)
+    demo_before: dict[str, Any] | None = None  # the demo's accuracy at step 0 and its sample count (checkpointed)
 
 
 def train(recipe: Recipe) -> dict:
@@ -74,7 +77,10 @@ def train(recipe: Recipe) -> dict:
     tracker = _memory_tracker(cfg.profile_memory, rt.device, recipe.engine.backend)
     stop = StopRequest()
     demo = demo_samples(run.data, cfg.demo_eval_samples, announce=rt.is_main) if cfg.demo_eval else []
-    acc_before = exact_match(run.model, run.tok, demo, rt) if demo and start_step == 0 else None
+    acc_before, before_note = accuracy_before(run.model, run.tok, demo, rt, start_step=start_step,
+                                              recorded=run.demo_before)
+    if demo and start_step == 0:
+        run.demo_before = {"accuracy": acc_before, "samples": len(demo)}  # the checkpoints carry it to a resume
     skipped = 0
 
     run.model.train()
@@ -112,7 +118,7 @@ def train(recipe: Recipe) -> dict:
                **run.objective.summary(log.history)}
     if rt.is_main:
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.print_summary(acc_before, acc_after)
+        log.print_summary(acc_before, acc_after, before_note)
         run.objective.print_summary(summary)
     return summary
 
@@ -143,12 +149,16 @@ def setup(recipe: Recipe, *, simulated: bool = False) -> Run:
 
 def steps_for(cfg: TrainConfig, *, num_rows: int, global_size: int, announce: bool) -> int:
     """train.max_steps, or the steps train.epochs takes over `num_rows` training rows (the last one may be partial:
-    it wraps into the next epoch's order). A warmup as long as the run leaves the schedule in warmup: said once."""
+    it wraps into the next epoch's order). A warmup as long as the run leaves the schedule in warmup: said once;
+    so is a run of train.max_steps that goes over the data more than once (trainer/data_passes.py)."""
     steps = cfg.max_steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * num_rows / global_size))
     assert steps is not None
     if announce and cfg.epochs is not None:
         print(f"train.epochs={cfg.epochs:g}: {steps} steps of {global_size} rows over {num_rows:,} training rows",
               flush=True)
+    repeats = repeat_notice(num_rows=num_rows, steps=steps, global_size=global_size)
+    if announce and cfg.epochs is None and repeats:  # train.epochs said it above
+        print(repeats, flush=True)
     if announce and cfg.warmup_steps >= steps:
         warnings.warn(f"train.warmup_steps={cfg.warmup_steps} >= the run's {steps} steps: the learning rate never "
                       "leaves warmup; lower train.warmup_steps", stacklevel=2)
@@ -238,7 +248,8 @@ def save_checkpoint(run: Run, step: int) -> None:
     state = run.sharded.checkpoint_state(run.optimizer)
     info = {"world_size": run.rt.world_size, "backend": run.recipe.engine.backend, "lora": run.recipe.lora.enabled,
             "fingerprint": fingerprint(run.recipe, run.rt.world_size),  # what checkpoint/resume_check.py compares
-            "recipe": trained_recipe(run.recipe)}  # and what it says changed on resume
+            "recipe": trained_recipe(run.recipe),  # and what it says changed on resume
+            "demo_before": run.demo_before}
     run.checkpoints.save(step, state, run.scheduler, info,
                          write_hf=lambda d: write_export_info(run.model, run.tok, run.shapes, d))
 
@@ -254,6 +265,7 @@ def resume(run: Run) -> int:
                              device=run.rt.device)
     run.sharded.load_checkpoint_state(state, run.optimizer)
     keep_settings(run.optimizer, settings, run.scheduler)
+    run.demo_before = json.loads((found / TRAINER_FILE).read_text()).get("demo_before")
     if run.rt.is_main:
         print(f"resumed from {found} at step {step}", flush=True)
     return step
