@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from shardtune.config.load import load_recipe
 from shardtune.model.build import build_model
 from tests.integration import forked
-from tests.integration.runs import FAST, forked_cli, losses
+from tests.integration.runs import FAST, cli, forked_cli, losses
 
 
 def overrides(run_dir: Path, *extra: str) -> list[str]:
@@ -63,6 +63,9 @@ def test_lora_export_and_final_are_peft_adapters(reference, tmp_path):
     out = tmp_path / "export"
     proc = forked_cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # a random-init base is on no disk: the export says so, and what generate will need
+    warning = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: ")]
+    assert len(warning) == 1 and "names no base model" in warning[0] and "--base" in warning[0], proc.stderr
     for folder in (out, reference / "final"):
         assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
         # a random-init base exists on no disk: the adapter names none (not the architecture's config.json)
@@ -74,6 +77,37 @@ def test_lora_export_and_final_are_peft_adapters(reference, tmp_path):
         final = PeftModel.from_pretrained(base_model(), str(reference / "final")).eval()(input_ids=ids).logits
     torch.testing.assert_close(exported, final, rtol=0, atol=0)  # the same adapters, step 6
     assert not torch.allclose(exported, base)  # and they changed the model
+
+
+def test_generate_loads_an_exported_adapter_on_its_base(reference, tmp_path):
+    """An exported adapter away from its run (no recipe.yaml above it) loads on the local folder its
+    adapter_config.json names, or on --base, and answers as the run's own final/ does; one that names no base (a
+    random-init run) or a base that is no local folder is one line saying how to pass it."""
+    out = tmp_path / "export"
+    assert forked_cli("export", str(reference / "checkpoints"), str(out), cwd=tmp_path).returncode == 0
+    base = tmp_path / "base"
+    base_model().save_pretrained(base)
+    prompts = ["--prompt", "reverse abc=", "--prompt", "reverse hello=", "--max-new-tokens", "6"]
+    want = forked_cli("generate", str(reference / "final"), *prompts, cwd=tmp_path)  # the base from the recipe
+    assert want.returncode == 0 and len(want.stdout.splitlines()) == 2, want.stderr[-3000:]
+
+    proc = cli("generate", str(out), *prompts, cwd=tmp_path)  # adapter_config.json: base_model_name_or_path null
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "names no base model" in proc.stderr and "--base MODEL_FOLDER" in proc.stderr
+    got = forked_cli("generate", str(out), *prompts, "--base", str(base), cwd=tmp_path)
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-3000:]
+
+    config = json.loads((out / "adapter_config.json").read_text())
+    for named, code in ((str(base), 0), ("someone/tiny-llama", 2)):
+        (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": named}))
+        got = forked_cli("generate", str(out), *prompts, cwd=tmp_path)
+        assert got.returncode == code, got.stderr[-3000:]
+        if code == 0:
+            assert got.stdout == want.stdout
+        else:
+            assert got.stderr.count("\n") == 1 and "'someone/tiny-llama'" in got.stderr and "--base" in got.stderr
+    proc = forked_cli("generate", str(out), *prompts, "--base", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert proc.returncode == 2 and "--base" in proc.stderr and "no config.json" in proc.stderr, proc.stderr
 
 
 def test_lora_over_pretrained_checkpoint_loads_sharded(tmp_path):

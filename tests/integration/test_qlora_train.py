@@ -6,6 +6,7 @@ the CLI's start-up):
   base with PeftModel.from_pretrained."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -84,3 +85,14 @@ def test_qlora_checkpoint_resume_and_adapters(reference, tmp_path):
         final = PeftModel.from_pretrained(bf16_base(), str(reference / "final")).eval()(input_ids=ids).logits
     torch.testing.assert_close(exported, final, rtol=0, atol=0)  # the same adapters, step 4
     assert torch.isfinite(final).all() and not torch.allclose(final, base)  # and they changed the model
+
+    # generate on the exported adapter away from its run, over the base its adapter_config.json names (a local
+    # folder), answers as the run's final/ does (there the recipe gives the base)
+    build_model(recipe.model, seed=recipe.train.seed).save_pretrained(tmp_path / "base")
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(tmp_path / "base")}))
+    prompts = ["--prompt", "reverse abc=", "--prompt", "reverse hello=", "--max-new-tokens", "6"]
+    want = forked_cli("generate", str(reference / "final"), *prompts, cwd=tmp_path)
+    got = forked_cli("generate", str(out), *prompts, cwd=tmp_path)
+    assert want.returncode == 0 and len(want.stdout.splitlines()) == 2, want.stderr[-3000:]
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-3000:]

@@ -4,12 +4,15 @@ What can be given: a run directory (its final/, else its newest checkpoint), a f
 model or a PEFT adapter), or a sharded checkpoint (consolidated into a temporary folder first). The run's
 recipe.yaml, found beside or above it, says how prompts were rendered in training (data.format, data.template,
 model.chat_template) and, for an adapter, which base it was trained over. A folder away from its run says it
-with the record `shardtune export` writes, else with its own chat template (model/prompt_style.py).
+with the record `shardtune export` writes, else with its own chat template (model/prompt_style.py); an adapter
+away from its run loads on the base its adapter_config.json names (a local folder), or on --base.
 """
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,24 +95,30 @@ def model_folder(target: Path) -> Iterator[Path]:
     yield target
 
 
-def load(target: Path, device: str) -> Loaded:
+def load(target: Path, device: str, base: Path | None = None) -> Loaded:
+    """`base`: --base, the model folder a LoRA adapter was trained over (ignored, with a warning, for a full model)."""
     check_target(target)
+    if base is not None:
+        check_base(base)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars: noise before a one-line answer
     recipe = find_recipe(target)
     with model_folder(target) as folder:
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         if (folder / "adapter_config.json").is_file():
-            import warnings
-
             from peft import PeftModel
 
+            base_model, base_dir = _base(folder, recipe, base)
+            tok = AutoTokenizer.from_pretrained(folder if _has_tokenizer(folder) or base_dir is None else base_dir,
+                                                local_files_only=True)
             with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates (as in model/lora.py)
                 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-                model = PeftModel.from_pretrained(_base(folder, recipe), str(folder)).merge_and_unload()
+                model = PeftModel.from_pretrained(base_model, str(folder)).merge_and_unload()
         else:
+            if base is not None:
+                warnings.warn(f"--base is ignored: '{target}' is a full model, not a LoRA adapter", stacklevel=2)
+            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
         style = folder_style(folder, bool(tok.chat_template))
     if recipe is not None:
@@ -121,20 +130,48 @@ def load(target: Path, device: str) -> Loaded:
     return Loaded(model.to(_device(device)).eval(), tok, recipe, style)
 
 
-def _base(folder: Path, recipe: Recipe | None) -> PreTrainedModel:
-    """The model an adapter was trained over: the recipe's checkpoint, or its seeded random init."""
+def check_base(base: Path) -> None:
+    if not (base / "config.json").is_file():
+        raise UserError(f"--base {base}: not a model folder (no config.json): give the folder of the model the "
+                        "adapter was trained over (config.json and its weights)")
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def _base(folder: Path, recipe: Recipe | None, base: Path | None) -> tuple[PreTrainedModel, Path | None]:
+    """The model an adapter was trained over, and its folder (None for a rebuilt random init): --base, else the run's
+    recipe (its checkpoint, or its seeded random init), else the local folder adapter_config.json names."""
     from transformers import AutoModelForCausalLM
 
-    if recipe is None:
-        raise UserError(f"generate: '{folder}' is a LoRA adapter but no recipe.yaml is beside or above it: the base "
-                        "model is unknown; export with `shardtune export --merge` or give the run directory")
-    if recipe.model.init == "pretrained":
+    if base is None and recipe is not None and recipe.model.init == "random":
+        from shardtune.model.build import build_model
+
+        return build_model(recipe.model, seed=recipe.train.seed), None  # the seeded weights the run started from
+    if base is None and recipe is not None:
         from shardtune.hub import EVERYTHING, model_dir
 
-        return AutoModelForCausalLM.from_pretrained(model_dir(recipe.model.path, EVERYTHING), local_files_only=True)
-    from shardtune.model.build import build_model
+        base = model_dir(recipe.model.path, EVERYTHING)
+    elif base is None:
+        base = _named_base(folder)
+    return AutoModelForCausalLM.from_pretrained(base, local_files_only=True), base
 
-    return build_model(recipe.model, seed=recipe.train.seed)  # the same seeded weights the run started from
+
+def _named_base(folder: Path) -> Path:
+    """The base an adapter away from its run names (base_model_name_or_path): a local model folder, else one line
+    saying how to give it."""
+    named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not named:
+        raise UserError(f"generate: '{folder}' is a LoRA adapter whose adapter_config.json names no base model "
+                        "(base_model_name_or_path is null: its run started from a random init) and no recipe.yaml "
+                        "is beside or above it: give the run directory, or pass --base MODEL_FOLDER")
+    path = Path(named).expanduser()
+    if not (path / "config.json").is_file():
+        raise UserError(f"generate: the base model '{named}' that '{folder}/adapter_config.json' names is not a "
+                        "local model folder: pass --base MODEL_FOLDER (the model it was trained over, with its "
+                        "config.json and weights)")
+    return path
 
 
 def _device(device: str) -> torch.device:
