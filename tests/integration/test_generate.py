@@ -108,3 +108,14 @@ def test_generate_asks_a_foreign_folder_through_its_chat_template(tmp_path):
     # text-mode pipes read any \r as \n (universal newlines), and an untrained model may well reply with one
     assert proc.stdout.rstrip("\n") == greedy(chat).replace("\r\n", "\n").replace("\r", "\n")
     assert greedy(chat) != greedy(tok.bos_token + "reverse hello=")  # the template changes the answer
+
+
+def test_base_given_for_a_full_model_is_ignored_with_a_warning(tmp_path):
+    from tests.integration.test_model_folder import write_checkpoint
+
+    folder = tmp_path / "model"
+    write_checkpoint(folder)
+    proc = forked_cli("generate", str(folder), "--prompt", "reverse abc=", "--max-new-tokens", "2", "--base",
+                      str(folder), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"warning: --base is ignored: '{folder}' is a full model, not a LoRA adapter" in proc.stderr.splitlines()
