@@ -84,8 +84,8 @@ def test_validate_rehearses_the_export(monkeypatch):
     from shardtune.launcher.validate import recipe_problems
     from shardtune.model import lora
 
-    recipe = load_recipe("tiny-lora-cpu")
+    recipe = load_recipe("tiny-moe-cpu", ["lora.enabled=true", "lora.target_modules=[q_proj,down_proj]"])
     seen = []
-    monkeypatch.setattr(lora, "check_exportable", lambda model, config: seen.append(sorted(config.target_modules)))
+    monkeypatch.setattr(lora, "check_exportable", lambda model, config: seen.append(config.target_parameters))
     assert recipe_problems(recipe) == []
-    assert seen == [sorted(recipe.lora.target_modules)]
+    assert seen == [["down_proj"]]
