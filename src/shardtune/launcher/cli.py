@@ -271,13 +271,16 @@ SEED = typer.Option(0, "--seed", help="Sampling seed.")
 DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda (one GPU).")
 SYSTEM = typer.Option(None, "--system", help="A system message opening the chat (chat-trained models; default: "
                       "none).")
+BASE = typer.Option(None, "--base", help="The model folder a LoRA adapter was trained over (default: the run's "
+                    "recipe.yaml says it, else the local folder the adapter_config.json names).")
 
 
 GENERATE_HELP = (
     "Complete prompts with a trained model, in one process on CPU or one GPU. The prompt is rendered as in "
     "training: the run's recipe.yaml (beside or above the model) gives data.format, data.template and "
     "model.chat_template, and for a LoRA adapter its base model; an exported folder keeps that in "
-    "shardtune_prompt.json, and any other folder is asked through its own chat template when it has one.")
+    "shardtune_prompt.json, and any other folder is asked through its own chat template when it has one. An "
+    "adapter away from its run loads on the base its adapter_config.json names (a local folder), or on --base.")
 
 
 @app.command(help=GENERATE_HELP)
@@ -287,10 +290,10 @@ def generate(model: str = MODEL_ARG,
                                               "its own line (newlines in a completion are printed as \\n)."),
              max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),
              temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED, device: str = DEVICE,
-             system: str | None = SYSTEM) -> None:
+             system: str | None = SYSTEM, base: str | None = BASE) -> None:
     from shardtune.launcher.generate import Sampling, complete, load, render
 
-    loaded = load(Path(model), device)
+    loaded = load(Path(model), device, Path(base) if base else None)
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
     for p in prompt:
         text = complete(loaded, render(loaded, p, system=system), sampling)
@@ -302,10 +305,10 @@ def generate(model: str = MODEL_ARG,
 def chat(model: str = MODEL_ARG,
          max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens per reply."),
          temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED, device: str = DEVICE,
-         system: str | None = SYSTEM) -> None:
+         system: str | None = SYSTEM, base: str | None = BASE) -> None:
     from shardtune.launcher.generate import Sampling, chat_loop, load
 
-    chat_loop(load(Path(model), device), Sampling(max_new_tokens, temperature, top_p, seed), system=system)
+    chat_loop(load(Path(model), device, Path(base) if base else None), Sampling(max_new_tokens, temperature, top_p, seed), system=system)
 
 
 def main() -> None:
