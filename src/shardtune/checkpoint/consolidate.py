@@ -67,16 +67,10 @@ def _export_adapter(ckpt: Path, out: Path, keys: list[str], metadata: dict, shap
     tensors = _adapter_tensors(ckpt, keys, metadata, shapes)
     from peft import LoraConfig  # only LoRA checkpoints need peft
 
-    config = LoraConfig.from_pretrained(str(ckpt / "hf"))
-    save_adapter(tensors, config, out)
+    save_adapter(tensors, LoraConfig.from_pretrained(str(ckpt / "hf")), out)
     for p in (ckpt / "hf").iterdir():
         if p.name not in ("params.json", "adapter_config.json", "config.json"):
             shutil.copy(p, out / p.name)  # the tokenizer
-    if config.base_model_name_or_path is None:
-        warnings.warn(f"the adapter in '{out}' names no base model (base_model_name_or_path: null): its run started "
-                      "from a random init, which is on no disk. `shardtune generate` needs the run directory, or "
-                      "the adapter with --base MODEL_FOLDER; `shardtune export --merge` writes base and adapter as one "
-                      "model", stacklevel=2)
     return out / ADAPTER_WEIGHTS
 
 

@@ -6,6 +6,8 @@ asks the model the way the run trained it. --push-to-hub uploads the finished fo
 """
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 from shardtune.checkpoint.paths import latest_checkpoint, prepare_target
@@ -44,11 +46,23 @@ def run_export(checkpoint: Path, out: Path, *, merge: bool, max_shard_bytes: int
     finally:
         progress.close()
     _record_prompt_style(src, out)
+    _warn_if_no_base(out)
     if push_to_hub is not None:
         from shardtune.hub import push_folder
 
         push_folder(out, push_to_hub)
     return files
+
+
+def _warn_if_no_base(out: Path) -> None:
+    """An adapter over a random init names no base: say so where it is written, with what generate will need (not
+    in generate's own consolidation of a checkpoint, which knows the run)."""
+    config = out / "adapter_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("base_model_name_or_path") is None:
+        warnings.warn(f"the adapter in '{out}' names no base model (base_model_name_or_path: null): its run started "
+                      "from a random init, which is on no disk. `shardtune generate` needs the run directory, or "
+                      "the adapter with --base MODEL_FOLDER; `shardtune export --merge` writes base and adapter as one "
+                      "model", stacklevel=2)
 
 
 def _record_prompt_style(src: Path, out: Path) -> None:
