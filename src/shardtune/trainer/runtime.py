@@ -24,9 +24,11 @@ class Runtime:
         return self.rank == 0
 
 
-def init_runtime(launch: LaunchConfig, *, simulated: bool = False) -> Runtime:
+def init_runtime(launch: LaunchConfig, *, simulated: bool = False,
+                 compute_dtype: torch.dtype = torch.float32) -> Runtime:
     """Called inside a torchrun/srun worker (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set). `simulated`: the
-    simulated GPU (accelerator.py) instead of launch.device; the process group may already be set up (tests)."""
+    simulated GPU (accelerator.py) instead of launch.device; the process group may already be set up (tests).
+    `compute_dtype`: engine.mixed_precision's (fp32 matmuls of a bf16 run take TF32 on a GPU)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -37,6 +39,7 @@ def init_runtime(launch: LaunchConfig, *, simulated: bool = False) -> Runtime:
         device = accelerator.SIMULATED
     else:
         device = accelerator.compute_device(launch.device_type(), local_rank)
+    accelerator.set_matmul_precision(device, compute_dtype)
     if launch.threads_per_worker:  # every device: a GPU run's host work (offload's AdamW, adds, norms) uses them
         torch.set_num_threads(launch.threads_per_worker)
     if dist.is_initialized():

@@ -18,6 +18,7 @@ from shardtune import checkpoint as ckpt
 from shardtune.checkpoint.paths import TRAINER_FILE
 from shardtune.checkpoint.resume_check import fingerprint, trained_recipe
 from shardtune.config import Recipe
+from shardtune.config.dtypes import DTYPES
 from shardtune.config.schema import TrainConfig
 from shardtune.data import GlobalBatches, TokenizedData
 from shardtune.data.ranks import prepare_for_ranks
@@ -125,7 +126,7 @@ def train(recipe: Recipe) -> dict:
 
 def setup(recipe: Recipe, *, simulated: bool = False) -> Run:
     """`simulated`: on the simulated GPU (accelerator.py), for tests/simulated and `plan --simulate`."""
-    rt = init_runtime(recipe.launch, simulated=simulated)
+    rt = init_runtime(recipe.launch, simulated=simulated, compute_dtype=DTYPES[recipe.engine.mixed_precision])
     cfg = recipe.train
     if is_hub_id(recipe.model.path):
         fetch_for_ranks(recipe.model.path, rank=rt.rank)  # rank 0 downloads, the others wait
