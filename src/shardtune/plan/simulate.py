@@ -20,11 +20,19 @@ How, and what it leaves out:
   - SDPA takes the kernel CUDA would (`_cuda_sdpa`: flash without a mask; with the packing mask the memory-efficient
     kernel and its per-layer bias), not the math path torch picks on meta.
   - Values are not computed (meta): the loss and norms read as 0. Packed rows' position ids read as zeros.
+
+What a GPU would wait on (simulated/launches.py, plan/roofline.py): the counted step's kernel launches by phase,
+FLOPs and bytes, scaled from its min(grad_accum, 2) micro-steps to the recipe's grad_accum; the host CPU seconds of
+a second step run bare (no tracker, no counter: the steady state, as the host would run it less the launches'
+driver time), scaled the same way in proportion to launches, and on this machine; the roofline's GPU time on the
+recipe's hardware.gpu, and the verdict: host-bound or GPU-bound.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from shardtune import accelerator, memory
-from shardtune.plan.hardware import CUDA_CONTEXT
+from shardtune.plan import roofline
+from shardtune.plan.hardware import CUDA_CONTEXT, load_profile
 from shardtune.simulated import device as simulated_device
 from shardtune.simulated.host import host_empty as _host_empty
 from shardtune.simulated.host import is_host as _is_host
@@ -82,6 +91,11 @@ class Simulation:
     alloc_retries: int = 0  # times the caching allocator freed its cached segments to make room (device full)
     ooms: int = 0  # requests that did not fit even then: out of memory on the GPU
     host_syncs: list[str] = field(default_factory=list)  # "kind caller" of each host synchronization of the step
+    # Per optimizer step (the recipe's grad_accum): simulated/launches.py's `per_step` figures
+    launches: dict[str, Any] = field(default_factory=dict)
+    host_cpu_s: float = 0.0  # process CPU seconds of one step, on this machine (`machine`)
+    machine: str = ""
+    speed: roofline.StepTime | None = None
 
     @property
     def ratio(self) -> float:
@@ -95,7 +109,9 @@ class Simulation:
                 "allocator_allocated_peak_bytes": self.allocated_peak,
                 "allocator_reserved_peak_bytes": self.reserved_peak,
                 "pinned_reserved_peak_bytes": self.pinned_reserved_peak, "allocator_alloc_retries": self.alloc_retries,
-                "allocator_ooms": self.ooms, "host_syncs": self.host_syncs}
+                "allocator_ooms": self.ooms, "host_syncs": self.host_syncs,
+                "launches": self.launches, "host_cpu_s": round(self.host_cpu_s, 4), "host_cpu_machine": self.machine,
+                "roofline": self.speed.to_json() if self.speed else None}
 
 
 @contextlib.contextmanager
@@ -166,6 +182,7 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     from shardtune.engine.state_dict import init_optimizer_state
     from shardtune.plan.planner import make_plan
     from shardtune.simulated.allocator import AllocatorTracker
+    from shardtune.simulated.launches import LaunchCounter
     from shardtune.trainer.train import setup, train_step
 
     overrides = list(overrides or [])
@@ -176,34 +193,54 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     world, nodes, analytic_host = plan.setup.world, plan.setup.nodes, plan.estimate.host_per_rank
     # What the caching allocator can take from the GPU: its memory less what the CUDA context holds.
     limit = None if plan.hardware.is_cpu else plan.capacity - CUDA_CONTEXT
-    micro = min(2, plan.recipe.train.grad_accum)
-    del plan  # its model skeleton is meta too: the tracker would count it
+    grad_accum = plan.recipe.train.grad_accum
+    micro = min(2, grad_accum)
+    s = plan.setup
+    card = load_profile(plan.recipe.hardware.gpu)  # a CPU recipe too: what a GPU would wait on
+    tokens = s.micro_batch * s.local_seq * s.grad_accum * s.world  # every rank's, per optimizer step
+    link = card.intra_node_gbps if s.nodes == 1 else card.inter_node_gbps
+    del plan, s  # its model skeleton is meta too: the tracker would count it
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, _simulated_world(world, nodes):
         recipe = load_recipe(recipe_ref, [*overrides, f"train.grad_accum={micro}", f"train.output_dir={tmp}"])
-        run = setup(recipe, simulated=True)
+        with contextlib.redirect_stdout(sys.stderr):  # a run's notices (data passes, epochs): --json's stdout is JSON
+            run = setup(recipe, simulated=True)
         init_optimizer_state(run.optimizer)  # the steady state: AdamW's moments exist from the first step on
         # No per-op recheck of every big storage (4x the step's time at 8B): the engine reports each in-place resize
         # (memory.storage_resized / free_storage); FSDP2's through _report_fsdp2_resizes.
         tracker = AllocatorTracker(host=_is_host, recheck_min_bytes=memory.recheck_min_bytes(resizes_reported=True),
                                    device_limit=limit).start()
+        counter = LaunchCounter(micro)
         try:
             run.model.train()
             accelerator.TRACE.clear()
             # the step as the recipe runs it (train.profile_memory is a run's own tracker)
-            train_step(run, run.objective.first_full_step(), None)
+            with counter:
+                train_step(run, run.objective.first_full_step(), None)
             syncs = [f"{kind} {caller}" for kind, caller in accelerator.host_syncs()]
         finally:
             tracker.stop()
+        assert counter.micro == micro, (counter.micro, micro)  # each micro-step's backward was seen to end
+        cpu0 = time.process_time()
+        train_step(run, run.objective.first_full_step() + 1, None)
+        bare_cpu_s = time.process_time() - cpu0
         device_peak, host_peak = tracker.peak_bytes(), tracker.host_peak_bytes()
         books = (tracker.device.peak_allocated, tracker.device.peak_reserved, tracker.pinned.peak_reserved,
                  tracker.device.alloc_retries, tracker.device.ooms)
         del run
+    launches = counter.per_step(grad_accum)
+    host_cpu_s = bare_cpu_s * launches["total"] / max(1, launches["counted"])
     return Simulation(world=world, device_peak=device_peak, host_peak=host_peak, analytic=analytic,
                       analytic_host=analytic_host,
                       wall_s=time.perf_counter() - t0, micro_steps=micro, allocated_peak=books[0],
                       reserved_peak=books[1], pinned_reserved_peak=books[2], alloc_retries=books[3],
-                      ooms=books[4], host_syncs=syncs)
+                      ooms=books[4], host_syncs=syncs, launches=launches, host_cpu_s=host_cpu_s,
+                      machine=_machine(), speed=roofline.step_time(card, launches, tokens=tokens, link_gbps=link))
+
+
+def _machine() -> str:
+    """What the host CPU seconds were measured on."""
+    return f"this machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
 
 
 def summary(sim: Simulation) -> str:
@@ -218,4 +255,10 @@ def summary(sim: Simulation) -> str:
         line += f" (freeing its cache {sim.alloc_retries}x to make room{oom})"
     if sim.pinned_reserved_peak:
         line += f", its pinned host pool {sim.pinned_reserved_peak / gib:.2f} GiB"
-    return line + f"; {len(sim.host_syncs)} host sync(s); {sim.wall_s:.1f} s"
+    line += f"; {len(sim.host_syncs)} host sync(s); {sim.wall_s:.1f} s"
+    n = sim.launches
+    if not n or sim.speed is None:
+        return line
+    phases = ", ".join(f"{k} {v:,}" for k, v in n["by_phase"].items())
+    return (f"{line}\nper optimizer step: {n['total']:,} kernel launches ({phases}); host CPU {sim.host_cpu_s:.2f} s "
+            f"({sim.machine})\n{sim.speed.line()}")

@@ -50,6 +50,9 @@ class RefusedTensor(RuntimeError):
 
 _SETTINGS = {"check_timeout_s": 60.0, "alone": False}
 _EPOCH = [0]  # bumped by new_epoch(): every group's sequence numbers start again
+# Called with (op, link bytes) for each collective issued: this rank's bytes sent or received over the link, as a
+# ring moves them. What simulated/launches.py counts as the step's communication launches.
+COLLECTIVE_OBSERVERS: list = []
 
 
 def new_epoch() -> None:
@@ -102,6 +105,10 @@ def call_site(depth: int = 2) -> str:
 def _reduce_op(opts: Any) -> str:
     op = getattr(opts, "reduceOp", None)
     return str(getattr(op, "op", op))  # RedOpType.SUM; the ReduceOp wrapper itself prints its address
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors)
 
 
 def _describe(t: torch.Tensor) -> list:
@@ -178,23 +185,35 @@ class CheckedGroup(dist.ProcessGroup):
             raise CollectiveMismatch(f"simulated GPU: collective #{seq} on group {self._name} differs across "
                                      f"ranks (op, shape, dtype or device): {lines}")
 
-    def _checked(self, op: str, tensors: Sequence[torch.Tensor], **extra: Any) -> str:
+    def _checked(self, op: str, tensors: Sequence[torch.Tensor], *, full: int = 0, **extra: Any) -> str:
+        """`full`: the bytes of the whole buffer (all-gather's output, reduce-scatter's input, all-reduce's tensors)."""
         site = call_site()
         self._on_device(op, site, tensors)
         self._match(op, site, tensors, **extra)
+        self._observe(op, full)
         return site
+
+    def _observe(self, op: str, full: int) -> None:
+        """Tell the observers; ring collectives move (size - 1) / size of the buffer per rank, all-reduce twice
+        (a reduce-scatter and an all-gather), broadcast the buffer once."""
+        if not COLLECTIVE_OBSERVERS:
+            return
+        share = (self._size - 1) / self._size if self._size > 1 else 0.0
+        moved = int(full * share * (2 if op.startswith("all_reduce") else 1)) if op != "broadcast" else full
+        for observe in COLLECTIVE_OBSERVERS:
+            observe(op, moved if self._size > 1 else 0)
 
     # -- the collectives ---------------------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        self._checked("all_reduce", tensors, reduce_op=_reduce_op(opts))
+        self._checked("all_reduce", tensors, full=_nbytes(tensors), reduce_op=_reduce_op(opts))
         return _done(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        self._checked("all_reduce_coalesced", tensors, reduce_op=_reduce_op(opts))
+        self._checked("all_reduce_coalesced", tensors, full=_nbytes(tensors), reduce_op=_reduce_op(opts))
         return _done(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        self._checked("broadcast", tensors, root=getattr(opts, "rootRank", 0))
+        self._checked("broadcast", tensors, full=_nbytes(tensors), root=getattr(opts, "rootRank", 0))
         return _done(tensors)
 
     def barrier(self, opts: Any = None) -> Any:
@@ -202,7 +221,7 @@ class CheckedGroup(dist.ProcessGroup):
         return _done(None)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        site = self._checked("all_gather_into_tensor", [output, input])
+        site = self._checked("all_gather_into_tensor", [output, input], full=output.nbytes)
         self._same_dtype("all_gather_into_tensor", site, [output, input])
         if output.numel() != input.numel() * self._size:
             self._refuse("all_gather_into_tensor", site, f"output numel {output.numel()} != {self._size} ranks x "
@@ -210,7 +229,7 @@ class CheckedGroup(dist.ProcessGroup):
         return _done(output)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        site = self._checked("reduce_scatter_tensor", [output, input], reduce_op=_reduce_op(opts))
+        site = self._checked("reduce_scatter_tensor", [output, input], full=input.nbytes, reduce_op=_reduce_op(opts))
         self._same_dtype("reduce_scatter_tensor", site, [output, input])
         if input.numel() != output.numel() * self._size:
             self._refuse("reduce_scatter_tensor", site, f"input numel {input.numel()} != {self._size} ranks x "
@@ -218,17 +237,18 @@ class CheckedGroup(dist.ProcessGroup):
         return _done(output)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        self._one_per_rank("all_gather", inputs, outputs, "outputs")
+        self._one_per_rank("all_gather", inputs, outputs, "outputs", full=sum(map(_nbytes, outputs)))
         return _done(outputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        self._one_per_rank("reduce_scatter", outputs, inputs, "inputs")
+        self._one_per_rank("reduce_scatter", outputs, inputs, "inputs", full=sum(map(_nbytes, inputs)))
         return _done(outputs)
 
-    def _one_per_rank(self, op: str, singles: list[torch.Tensor], lists: list[list[torch.Tensor]], what: str) -> None:
+    def _one_per_rank(self, op: str, singles: list[torch.Tensor], lists: list[list[torch.Tensor]], what: str, *,
+                      full: int) -> None:
         """The list forms: each of `singles` pairs with a list of one tensor per rank, each of its numel."""
         flat = [t for lst in lists for t in lst]
-        site = self._checked(op, [*singles, *flat])
+        site = self._checked(op, [*singles, *flat], full=full)
         self._same_dtype(op, site, [*singles, *flat])
         for one, lst in zip(singles, lists, strict=True):
             if len(lst) != self._size or any(t.numel() != one.numel() for t in lst):
@@ -248,4 +268,5 @@ class CheckedGroup(dist.ProcessGroup):
                 self._refuse("all_to_all_single", site, f"{name} splits {splits} do not cover its {rows} rows "
                                                         f"over {self._size} ranks")
         self._match("all_to_all_single", site, [], row=[list(input.shape[1:]), str(input.dtype), "meta"])
+        self._observe("all_to_all_single", input.nbytes)
         return _done(output)

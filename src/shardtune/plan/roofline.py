@@ -1,0 +1,100 @@
+"""What a GPU would wait on: a step's GPU time at the card's rates (a roofline over the FLOPs and bytes the simulated
+step counted, simulated/launches.py) against the host's time to issue its kernel launches; the verdict.
+
+  gpu_s  = bf16 FLOPs / (bf16 peak x MATMUL_EFFICIENCY) + fp32 FLOPs / (fp32 peak x MATMUL_EFFICIENCY)
+           + device bytes / (HBM bandwidth x HBM_EFFICIENCY) + link bytes / (link bandwidth x LINK_EFFICIENCY)
+           Serial: no kernel is assumed to overlap another, nor a collective the compute (an upper bound on what
+           a well-fed card takes; a lower bound on what the step can take).
+  host_s = launches x HOST_S_PER_LAUNCH: the host issues kernels one after the other (Python, the dispatcher, the
+           launch); a GPU that finishes a kernel before the next is issued waits.
+  step_s = max(gpu_s, host_s): the host runs ahead of the GPU until the step's one host sync, and the GPU runs
+           behind the host until its queue is empty. host-bound when host_s > gpu_s.
+
+The constants are stated here to be calibrated by GPU runs (bench/gpu_session.sh). The one GPU measurement so far
+(bench/RESULTS.md, one H200, stop 54: a 1.24B Llama LoRA at 4 x 2,048 tokens, 2,504 tokens/s, full fine-tuning
+2,928 tokens/s) was host-bound, so it calibrates HOST_S_PER_LAUNCH only; the GPU efficiencies are the anchors' and
+the datasheets' until a GPU-bound run measures them.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from shardtune.plan.hardware import HARDWARE_DIR, HardwareProfile
+
+# A step's matmuls (cuBLAS, flash attention) at this fraction of the card's dense peak: the H200 ran one large bf16
+# GEMM at 788 of 989 TFLOP/s (0.80, RESULTS stop 54); a whole 8B LoRA step reaches 0.41 MFU on an H100 (NeMo
+# AutoModel, where the bytes-bound kernels take the rest of the time). Calibrate on a GPU-bound run.
+MATMUL_EFFICIENCY = 0.7
+# Memory-bound kernels (elementwise, norms, casts, the optimizer) at this fraction of the HBM bandwidth: what large
+# elementwise kernels reach on A100/H100 (~80-90 % of the datasheet) less small kernels' ramp-up.
+HBM_EFFICIENCY = 0.7
+# Collectives at this fraction of the link's datasheet bandwidth (NCCL's bus bandwidth on NVLink: ~75-85 %).
+LINK_EFFICIENCY = 0.8
+# Host seconds per kernel launch in eager PyTorch (Python module code, the dispatcher, autograd, the launch itself),
+# calibrated on the H200 run, whose code (c18073f^: one SDPA call per packed document) the simulated GPU counts at
+# 37,079 launches per 1B LoRA step and 29,185 per full fine-tuning step (4 x 2,048 tokens): 3.27 s and 2.80 s per
+# step measured (2,504 and 2,928 tokens/s, host-bound) give 88 and 96 us a launch (bench/RESULTS.md "Kernel
+# launches per step"). That run's tokens/s left out optimizer.step() (a few hundred launches): a slight overestimate.
+HOST_S_PER_LAUNCH = 90e-6
+
+
+@dataclass(frozen=True)
+class StepTime:
+    gpu_s: float  # the roofline
+    host_s: float  # launches x HOST_S_PER_LAUNCH
+    tokens: int  # per optimizer step, all ranks
+    card: str
+
+    @property
+    def step_s(self) -> float:
+        return max(self.gpu_s, self.host_s)
+
+    @property
+    def verdict(self) -> str:
+        return "host-bound" if self.host_s > self.gpu_s else "GPU-bound"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"card": self.card, "gpu_s": round(self.gpu_s, 5), "host_s": round(self.host_s, 5),
+                "step_s": round(self.step_s, 5), "tokens_per_step": self.tokens,
+                "tokens_per_s": round(self.tokens_per_s, 1), "verdict": self.verdict,
+                "constants": {"matmul_efficiency": MATMUL_EFFICIENCY, "hbm_efficiency": HBM_EFFICIENCY,
+                              "link_efficiency": LINK_EFFICIENCY, "host_s_per_launch": HOST_S_PER_LAUNCH}}
+
+    def line(self) -> str:
+        """The verdict in one line."""
+        ratio = self.host_s / self.gpu_s if self.gpu_s else float("inf")
+        return (f"{self.verdict} on {self.card}: host {self.host_s:.3f} s (launches x {HOST_S_PER_LAUNCH * 1e6:.0f} us) "
+                f"vs GPU {self.gpu_s:.3f} s per step (roofline), host/GPU {ratio:.2f}; "
+                f"~{self.tokens_per_s:,.0f} tokens/s")
+
+
+@functools.cache
+def fp32_tflops(hw: HardwareProfile) -> float:
+    """The profile's `fp32_tflops` (dense fp32 on CUDA cores: nothing enables TF32), else a quarter of its bf16 rate."""
+    path = HARDWARE_DIR / f"{hw.key}.yaml"
+    data = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    return float(data.get("fp32_tflops") or hw.bf16_tflops / 4)
+
+
+def gpu_seconds(hw: HardwareProfile, *, flops_bf16: float, flops_fp32: float, device_bytes: float,
+                link_bytes: float, link_gbps: float) -> float:
+    """The roofline (module docstring) on profile `hw`; `link_gbps`: the link the step's collectives cross."""
+    t = flops_bf16 / (hw.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+    t += flops_fp32 / (fp32_tflops(hw) * 1e12 * MATMUL_EFFICIENCY)
+    t += device_bytes / (hw.memory_gbps * 1e9 * HBM_EFFICIENCY)
+    return t + (link_bytes / (link_gbps * 1e9 * LINK_EFFICIENCY) if link_bytes else 0.0)
+
+
+def step_time(hw: HardwareProfile, counts: dict[str, Any], *, tokens: int, link_gbps: float) -> StepTime:
+    """`counts`: simulated/launches.py's `per_step` figures of one optimizer step."""
+    gpu = gpu_seconds(hw, flops_bf16=counts["flops_bf16"], flops_fp32=counts["flops_fp32"],
+                      device_bytes=counts["device_bytes"], link_bytes=counts["link_bytes"], link_gbps=link_gbps)
+    return StepTime(gpu_s=gpu, host_s=counts["total"] * HOST_S_PER_LAUNCH, tokens=tokens, card=hw.key)
