@@ -6,6 +6,7 @@ and train to the same fp32 losses as a local 2-worker run, step for step.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,9 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path_
     assert steps_at_signal < MAX_STEPS, "the run finished before the signal: preempt earlier"
     show = slurm_cluster.run(["scontrol", "show", "job", job_id]).stdout
     assert "Restarts=1" in show and "JobState=COMPLETED" in show, show
+    # SLURM took the script's per-node requests (slurm_resources.py): its memory and CPUs, not the defaults
+    mem = re.search(r"^#SBATCH --mem=(\d+)G$", script.read_text(), re.M).group(1)
+    assert f"MinMemoryNode={mem}G" in show and "MinCPUsNode=1 " in show, show
     saved = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
     assert saved and saved[0] < MAX_STEPS, f"no checkpoint was written on USR1 (found steps {saved})"
     assert "stopped by signal" in log, log[-4000:]

@@ -1,6 +1,8 @@
 """`shardtune slurm`: the script it writes, what it refuses, and `train` inside an allocation (no cluster needed)."""
 from __future__ import annotations
 
+import math
+import re
 import subprocess
 import sys
 import types
@@ -12,6 +14,7 @@ import torch
 from shardtune.config.load import load_recipe, load_recipe_config
 from shardtune.errors import UserError
 from shardtune.launcher.slurm import apply_allocation, rendezvous_port
+from shardtune.launcher.slurm_resources import time_limit_s
 from tests.unit.cli_helpers import run_cli
 
 
@@ -30,6 +33,8 @@ def test_script_has_the_job_and_the_same_environment(tmp_path, capsys, monkeypat
     for line in ["#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu",
                  "#SBATCH --time=1:30:00", "#SBATCH --account=proj", "#SBATCH --output=%x-%j.out",
                  "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "#SBATCH --cpus-per-task=2",  # a CPU job: its 2 workers x 1 thread, as before
+                 "#SBATCH --mem=5G",  # 1.1 x 2 workers' planned peak (~0.05 GiB each) + 2 x 1 GiB + 2 GiB
                  f"#SBATCH --chdir={tmp_path.resolve()}", "# export NCCL_DEBUG=WARN"]:
         assert line in text, line
     # The venv that wrote the script runs it; recipe and overrides pass through; the run dir is pinned (requeue).
@@ -56,7 +61,11 @@ def test_gpus_per_node_sets_workers_and_device(tmp_path, capsys):
     assert code == 0, err
     text = out.read_text()
     assert "#SBATCH --gpus-per-node=8" in text and "launch.nproc_per_node=8" in text and "launch.device=cuda" in text
-    assert "--cpus-per-task" not in text  # no host threads asked for: the cluster's default
+    # Issue 59 item 7: CPUs and memory for the 8 workers, not the cluster's default of one CPU per task.
+    assert "#SBATCH --cpus-per-task=34" in text  # 8 workers x 4 threads + 2 (launcher, torchrun's agent)
+    assert "launch.threads_per_worker=4" in text  # the workers use the threads the job reserved
+    assert "#SBATCH --mem=50G" in text  # no offload: plan's host bytes 0, + 8 workers x 6 GiB + 2 GiB
+    assert "#SBATCH --gres" not in text and "--constraint" not in text
 
 
 def test_gpu_job_reserves_the_host_threads_it_asks_for(tmp_path, capsys):
@@ -65,7 +74,81 @@ def test_gpu_job_reserves_the_host_threads_it_asks_for(tmp_path, capsys):
                                   "engine.cpu_offload=true", "launch.threads_per_worker=4", "--nodes", "2",
                                   "--gpus-per-node", "8")
     assert code == 0, err
-    assert "#SBATCH --cpus-per-task=32" in out.read_text()
+    assert "#SBATCH --cpus-per-task=34" in out.read_text()  # 8 x 4 + 2: the launcher and torchrun's agent
+    # the user's own, in the "Written by" line, prepare and train: not passed a second time
+    assert out.read_text().count("launch.threads_per_worker=4") == 3
+
+
+def test_gpu_type_constraint_and_overrides_reach_the_script(tmp_path):
+    """Through the installed executable: the options exist on the command line users type."""
+    out = tmp_path / "job.sbatch"
+    proc = subprocess.run([str(Path(sys.executable).with_name("shardtune")), "slurm", "tiny-cpu", "launch.device=auto",
+                           "launch.nproc_per_node=auto", "--nodes", "2", "--gpus-per-node", "4", "--gpu-type", "a100",
+                           "--constraint", "a100&ib", "--cpus-per-task", "20", "--mem", "300G", "-o", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    for line in ["#SBATCH --gpus-per-node=a100:4", "#SBATCH --constraint=a100&ib", "#SBATCH --cpus-per-task=20",
+                 "#SBATCH --mem=300G", "# Per node: 20 CPUs (--cpus-per-task; 4 threads per worker);",
+                 "#   memory 300G (--mem)."]:
+        assert line in text, line
+    assert "launch.threads_per_worker=4" in text  # (20 - 2) // 4 workers
+    assert "--gpu-type a100 --constraint 'a100&ib' --cpus-per-task 20 --mem 300G" in text  # "Written by" line
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+
+
+def _signal_s(text: str) -> int:
+    return int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", text, re.M).group(1))
+
+
+# plan --fit's fastest fitting configuration for the 70B QLoRA recipe (107 s per step, issue 59 item 7)
+FIT_70B = ["engine.strategy=full_shard", "engine.activation_checkpointing=true", "engine.cpu_offload=true",
+           "train.micro_batch_size=8", "train.grad_accum=2", "engine.backward_schedule=overlap"]
+
+
+@pytest.mark.parametrize("overrides", [[], FIT_70B], ids=["recipe", "fit-pick"])
+def test_warning_time_covers_a_step_and_a_checkpoint_write(tmp_path, capsys, overrides):
+    """The fixed 120 s was shorter than one step of the 70B QLoRA recipe: the USR1 warning now comes from plan's
+    step time and the checkpoint's bytes (12 per trainable parameter, written at 1 GB/s), twice over."""
+    from shardtune.plan import plan_recipe
+    from shardtune.plan.search import step_time
+
+    code, _, err, out = slurm_cli(tmp_path, capsys, "llama-3.1-70b-qlora-2x24gb", *overrides, "--nodes", "1",
+                                  "--gpus-per-node", "2", "--force")
+    assert code == 0, err
+    text = out.read_text()
+    plan = plan_recipe(load_recipe("llama-3.1-70b-qlora-2x24gb", [*overrides, "launch.nproc_per_node=2",
+                                                                  "launch.device=cuda"]))
+    step_s = step_time(plan)["step_s"]
+    write_s = 12 * plan.to_json()["model"]["trainable_params"] / 1e9
+    assert step_s > 100 and 1 < write_s < 2  # ~181 s (recipe) or ~107 s (fit pick); 103.5 M adapter params
+    signal_s = _signal_s(text)
+    assert signal_s > step_s + write_s and signal_s == math.ceil(2 * (step_s + write_s)), (signal_s, step_s)
+    assert f"{signal_s} s = max(120, 2 x ({step_s:.1f} s per step (plan) + {write_s:.2f} GB checkpoint at 1 GB/s))" \
+        in text
+    assert f"# USR1 to this shell {signal_s} s before the time limit" in text
+
+
+def test_memory_comes_from_the_plans_host_bytes(tmp_path, capsys):
+    """cpu_offload's states live in host RAM: --mem holds plan's host bytes per node, not a cluster default."""
+    from shardtune.plan import plan_recipe
+
+    code, _, err, out = slurm_cli(tmp_path, capsys, "llama-3.1-405b-lora-4x8x80gb", "--nodes", "4",
+                                  "--gpus-per-node", "8")
+    assert code == 0, err
+    host = plan_recipe(load_recipe("llama-3.1-405b-lora-4x8x80gb", [
+        "launch.nproc_per_node=8", "launch.device=cuda", "launch.nnodes=4", "launch.rdzv_endpoint=h:1"
+    ])).to_json()["host"]["total_bytes"]
+    assert host > 500 * 2**30  # the offloaded 405B base: hundreds of GiB per node
+    gib = math.ceil((1.1 * host + 8 * 6 * 2**30 + 2 * 2**30) / 2**30)
+    assert f"#SBATCH --mem={gib}G" in out.read_text()
+
+
+def test_a_time_limit_under_the_warning_is_said(tmp_path, capsys):
+    code, _, err, out = slurm_cli(tmp_path, capsys, "tiny-cpu", "--nodes", "2", "--time", "1")
+    assert code == 0 and "warning: --time 1 is not longer than the USR1 warning (120 s)" in err, err
+    assert time_limit_s("1") == 60 and time_limit_s("1:30:00") == 5400 and time_limit_s("2-3") == 183600
+    assert time_limit_s("10:30") == 630 and time_limit_s("1-0:1:2") == 86462
 
 
 # Usage errors (--nodes 0, --nodes zero) are typer's, tested in tests/integration/test_cli_usage.py.
@@ -76,6 +159,12 @@ def test_gpu_job_reserves_the_host_threads_it_asks_for(tmp_path, capsys):
     (["--nodes", "2", "--gpus-per-node", "4"], "launch.device=cpu"),  # tiny-cpu pins the CPU
     (["launch.device=cuda", "--nodes", "2"], "--gpus-per-node"),
     (["engine.strategy=hybrid_shard", "engine.hybrid_shard_size=3", "--nodes", "2"], "hybrid_shard_size"),
+    (["launch.device=auto", "--nodes", "2", "--gpu-type", "a100"], "--gpus-per-node"),
+    (["launch.device=auto", "--nodes", "2", "--gpus-per-node", "2", "--gpu-type", "a100 x"], "--gpu-type"),
+    (["--nodes", "2", "--constraint", "a100 ib"], "--constraint"),
+    (["--nodes", "2", "--mem", "lots"], "--mem"),
+    (["launch.device=auto", "launch.nproc_per_node=auto", "--nodes", "2", "--gpus-per-node", "4",
+      "--cpus-per-task", "3"], "--cpus-per-task"),  # fewer CPUs than workers
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, needle):
     code, _, err, out = slurm_cli(tmp_path, capsys, "tiny-cpu", *args)
@@ -92,16 +181,21 @@ def test_plan_refuses_a_job_that_does_not_fit_unless_forced(tmp_path, capsys, mo
 
         def to_json(self):
             return {"fits": False, "per_rank": {"total_bytes": 30 * 2**30}, "capacity_bytes": 24 * 2**30,
-                    "world_size": 4, "hardware": "rtx4090-24gb", "advice": ["engine.cpu_offload=true"]}
+                    "world_size": 4, "hardware": "rtx4090-24gb", "advice": ["engine.cpu_offload=true"],
+                    "host": {"total_bytes": 0}, "model": {"trainable_params": 10**9}}
 
     fake = types.ModuleType("shardtune.plan")  # check_fits calls shardtune.plan.plan_recipe(recipe).to_json()
     fake.plan_recipe = FakePlan
+    search = types.ModuleType("shardtune.plan.search")  # ... and plan/search.py's step_time(plan)
+    search.step_time = lambda plan: {"step_s": 300.0}
     monkeypatch.setitem(sys.modules, "shardtune.plan", fake)
+    monkeypatch.setitem(sys.modules, "shardtune.plan.search", search)
     code, _, err, out = slurm_cli(tmp_path, capsys, "tiny-cpu", "--nodes", "2")
     assert code == 2 and "does NOT fit" in err and "--force" in err and "cpu_offload" in err, err
     assert not out.exists() and seen["world"] == (2, 2)  # plan saw the job's world: 2 nodes x 2 workers
     code, _, err, out = slurm_cli(tmp_path, capsys, "tiny-cpu", "--nodes", "2", "--force")
     assert code == 0 and "# plan: does NOT fit: 30.00 GiB" in out.read_text()
+    assert _signal_s(out.read_text()) == 2 * (300 + 12)  # the plan's step and 12 GB of checkpoint at 1 GB/s
 
 
 def test_multinode_without_endpoint_is_a_user_error(tmp_path, capsys):

@@ -6,7 +6,9 @@ recipe.yaml and one-line user errors as a local run):
 
     batch shell (node 1) --srun--> node k: shardtune train ... --> torchrun --rdzv-id=$SLURM_JOB_ID --> workers
 
-Preemption: `--signal=B:USR1@120` (and `scancel --signal=USR1 --batch`) reach only the batch shell. Its trap
+Resources per node (CPUs, memory, the USR1 warning time): slurm_resources.py, from the recipe and `plan`.
+
+Preemption: `--signal=B:USR1@W` (and `scancel --signal=USR1 --batch`) reach only the batch shell. Its trap
 forwards USR1 to the step through srun, which delivers it to every process of the step: the workers save a
 checkpoint and exit; the launcher and torchrun's agent ignore USR1 (launcher/launch.py). The shell then runs
 `scontrol requeue`, and the requeued job (same job id, same run directory, log appended) resumes from the
@@ -30,6 +32,13 @@ from omegaconf import DictConfig
 from shardtune.config.load import load_recipe, resolve_recipe_path
 from shardtune.config.schema import Recipe, check_world
 from shardtune.errors import UserError
+from shardtune.launcher.slurm_resources import (
+    PlanFigures,
+    check_mem,
+    checkpoint_bytes,
+    job_resources,
+    time_limit_s,
+)
 
 # c10d rendezvous port = RDZV_PORT_BASE + job id % RDZV_PORT_SPAN: two jobs sharing a head node get different
 # ports, a requeued job (same id) gets its old one back. 20000-29999 stays below Linux's ephemeral range (32768+).
@@ -46,6 +55,10 @@ class SlurmJob:
     time: str | None = None  # SLURM time limit, e.g. 04:00:00 or 2-00:00:00
     account: str | None = None
     job_name: str | None = None
+    gpu_type: str | None = None  # GRES type: --gpus-per-node=TYPE:G
+    constraint: str | None = None  # node features: --constraint=...
+    cpus_per_task: int | None = None  # overrides the derived CPUs per node (slurm_resources.py)
+    mem: str | None = None  # overrides the derived memory per node
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -54,6 +67,18 @@ class SlurmJob:
             raise UserError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
         if self.time is not None and not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", self.time):
             raise UserError(f"--time '{self.time}' is not a SLURM time: write MINUTES, HH:MM:SS or D-HH:MM:SS")
+        if self.gpu_type is not None:
+            if not self.gpus_per_node:
+                raise UserError(f"--gpu-type {self.gpu_type} names the type of the job's GPUs: add --gpus-per-node G")
+            if not re.fullmatch(r"[\w.-]+", self.gpu_type):
+                raise UserError(f"--gpu-type '{self.gpu_type}' is not a GPU type name: write the cluster's name for it "
+                                "as `sinfo -o %G` lists it, e.g. a100")
+        if self.constraint is not None and not re.fullmatch(r"[^\s'\"#]+", self.constraint):
+            raise UserError(f"--constraint '{self.constraint}' holds a space or quote: write features as SLURM "
+                            "does, e.g. a100&ib or [rack1|rack2]")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise UserError(f"--cpus-per-task must be >= 1, got {self.cpus_per_task}")
+        check_mem(self.mem)
 
 
 def rendezvous_port(job_id: int) -> int:
@@ -89,17 +114,20 @@ def job_launch_keys(recipe: Recipe, job: SlurmJob) -> dict[str, str]:
     return {"launch.nproc_per_node": str(nproc), "launch.device": device}
 
 
-def check_fits(recipe: Recipe, *, force: bool) -> str | None:
+def check_fits(recipe: Recipe, *, force: bool) -> PlanFigures | None:
     """`plan` before submit: refuse a job whose predicted peak memory per rank does not fit, unless `force`.
 
-    The recipe has the job's world (nodes x workers) fixed. Returns plan's one-line verdict, or None when the
-    `shardtune.plan` package is not installed (the script then says "plan: not checked").
+    The recipe has the job's world (nodes x workers) fixed. Returns plan's one-line verdict and the figures the
+    job's requests are sized from, or None when the `shardtune.plan` package is not installed (the script then
+    says "plan: not checked").
     """
     try:
         from shardtune.plan import plan_recipe
+        from shardtune.plan.search import step_time
     except ImportError:
         return None
-    report = plan_recipe(recipe).to_json()  # the `plan --json` contract
+    plan = plan_recipe(recipe)
+    report = plan.to_json()  # the `plan --json` contract
     total = report["per_rank"]["total_bytes"]
     verdict = (f"{'fits' if report['fits'] else 'does NOT fit'}: {total / 2**30:.2f} GiB peak per rank of "
                f"{report['capacity_bytes'] / 2**30:.1f} GiB ({report.get('hardware', recipe.hardware.gpu)}, "
@@ -108,12 +136,16 @@ def check_fits(recipe: Recipe, *, force: bool) -> str | None:
         advice = report.get("advice") or []
         raise UserError(f"plan: the job {verdict}{'; try: ' + advice[0] if advice else ''}; "
                         f"fix the recipe, or pass --force to write the script anyway")
-    return verdict
+    # A CPU job's workers hold their peaks in host memory: the device is the host.
+    workers = report["world_size"] // max(1, recipe.launch.nnodes)
+    host = report["host"]["total_bytes"] + (workers * total if recipe.launch.device == "cpu" else 0)
+    return PlanFigures(verdict=verdict, host_bytes=host, step_s=step_time(plan)["step_s"],
+                       checkpoint_bytes=checkpoint_bytes(report["model"]["trainable_params"]))
 
 
 def sbatch_script(recipe_arg: str, overrides: list[str], job: SlurmJob, *, force: bool = False,
-                  cwd: Path | None = None, script_name: str = "THIS_FILE") -> str:
-    """Validate the recipe for this job, check it fits, and return the sbatch script text."""
+                  cwd: Path | None = None, script_name: str = "THIS_FILE") -> tuple[str, list[str]]:
+    """Validate the recipe for this job, check it fits, and return the sbatch script text and warnings."""
     cwd = (cwd or Path.cwd()).resolve()
     recipe = load_recipe(recipe_arg, overrides)  # a bad recipe never becomes a job (UserError: exit 2)
     keys = job_launch_keys(recipe, job)
@@ -123,7 +155,13 @@ def sbatch_script(recipe_arg: str, overrides: list[str], job: SlurmJob, *, force
     target = ["hardware.gpu=cpu"] if keys["launch.device"] == "cpu" else []
     job_recipe = load_recipe(recipe_arg, [*overrides, *(f"{k}={v}" for k, v in keys.items()),
                                           f"launch.nnodes={job.nodes}", "launch.rdzv_endpoint=head:1", *target])
-    verdict = check_fits(job_recipe, force=force)
+    figures = check_fits(job_recipe, force=force)
+    gpu = keys["launch.device"] == "cuda"
+    workers = int(keys["launch.nproc_per_node"])
+    res = job_resources(recipe, workers=workers, gpu=gpu, figures=figures, cpus_per_task=job.cpus_per_task,
+                        mem=job.mem)
+    if res.threads_per_worker is not None:  # the workers use the CPUs the job reserved (slurm_resources.py)
+        keys["launch.threads_per_worker"] = str(res.threads_per_worker)
 
     recipe_ref = recipe_arg if not Path(recipe_arg).is_file() else str(resolve_recipe_path(recipe_arg))
     name = job.job_name or f"shardtune-{resolve_recipe_path(recipe_arg).stem}"
@@ -132,25 +170,32 @@ def sbatch_script(recipe_arg: str, overrides: list[str], job: SlurmJob, *, force
     prepare = " \\\n    ".join([shlex.join([*shardtune_executable(), "prepare", recipe_ref]), *map(shlex.quote, args)])
     sbatch = [f"--job-name={name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     if job.gpus_per_node:
-        sbatch.append(f"--gpus-per-node={job.gpus_per_node}")
-        if recipe.launch.threads_per_worker:  # host threads on GPU runs too (offload's AdamW, adds, norms)
-            sbatch.append(f"--cpus-per-task={job.gpus_per_node * recipe.launch.threads_per_worker}")
-    else:
-        threads = recipe.launch.threads_per_worker or 1
-        sbatch.append(f"--cpus-per-task={int(keys['launch.nproc_per_node']) * threads}")
-    sbatch += [f"--{k}={v}" for k, v in (("partition", job.partition), ("account", job.account),
-                                         ("time", job.time)) if v]
+        sbatch.append(f"--gpus-per-node={job.gpu_type + ':' if job.gpu_type else ''}{job.gpus_per_node}")
+    sbatch.append(f"--cpus-per-task={res.cpus_per_task}")
+    if res.mem is not None:
+        sbatch.append(f"--mem={res.mem}")
+    sbatch += [f"--{k}={v}" for k, v in (("constraint", job.constraint), ("partition", job.partition),
+                                         ("account", job.account), ("time", job.time)) if v]
     sbatch += [f"--chdir={cwd}",
-               "--output=%x-%j.out", "--open-mode=append", "--signal=B:USR1@120", "--requeue"]
+               "--output=%x-%j.out", "--open-mode=append", f"--signal=B:USR1@{res.signal_s}", "--requeue"]
     header = "\n".join(f"#SBATCH {s}" for s in sbatch)
-    options = [("--nodes", job.nodes), ("--gpus-per-node", job.gpus_per_node), ("--partition", job.partition),
-               ("--time", job.time), ("--account", job.account)]
+    options = [("--nodes", job.nodes), ("--gpus-per-node", job.gpus_per_node), ("--gpu-type", job.gpu_type),
+               ("--constraint", job.constraint), ("--cpus-per-task", job.cpus_per_task), ("--mem", job.mem),
+               ("--partition", job.partition), ("--time", job.time), ("--account", job.account)]
     command = shlex.join(["shardtune", "slurm", recipe_arg, *overrides,
                           *(x for k, v in options if v is not None for x in (k, str(v)))])
-    plan_line = f"plan: {verdict}" if verdict is not None else "plan: not checked (shardtune.plan unavailable)"
-    return _TEMPLATE.format(header=header, script=script_name, command=command, date=datetime.now().strftime("%Y-%m-%d %H:%M"),
-                            plan=plan_line, run_dir=keys["train.output_dir"], train=train, prepare=prepare,
+    plan_line = (f"plan: {figures.verdict}" if figures is not None
+                 else "plan: not checked (shardtune.plan unavailable)")
+    resources = "\n".join(f"# {line}" for line in res.header)
+    warnings = []
+    if job.time is not None and res.signal_s >= time_limit_s(job.time):
+        warnings.append(f"warning: --time {job.time} is not longer than the USR1 warning ({res.signal_s} s): the "
+                        "job would checkpoint and requeue as soon as it starts; ask for more --time")
+    text = _TEMPLATE.format(header=header, script=script_name, command=command,
+                            date=datetime.now().strftime("%Y-%m-%d %H:%M"), plan=plan_line, resources=resources,
+                            run_dir=keys["train.output_dir"], train=train, prepare=prepare,
                             port_base=RDZV_PORT_BASE, port_span=RDZV_PORT_SPAN)
+    return text, warnings
 
 
 _TEMPLATE = """\
@@ -158,8 +203,8 @@ _TEMPLATE = """\
 # Written by `{command}` on {date}.
 # Submit: sbatch {script}
 # {plan}. Run directory: {run_dir}
-# One log per job (%x-%j.out), appended to by a requeued run. USR1 to this shell 120 s before the time limit
-# (--signal=B:...): checkpoint, then requeue.
+# One log per job (%x-%j.out), appended to by a requeued run.
+{resources}
 {header}
 
 set -uo pipefail
@@ -215,8 +260,8 @@ exit "$RC"
 
 def write_sbatch(recipe_arg: str, overrides: list[str], job: SlurmJob, *, out: Path | None, force: bool) -> str:
     """The CLI's body: the script to `out` (mode 755) or stdout; returns what to tell the user on stderr."""
-    text = sbatch_script(recipe_arg, overrides, job, force=force, script_name=out.name if out else "THIS_FILE")
-    notes = []
+    text, notes = sbatch_script(recipe_arg, overrides, job, force=force,
+                                script_name=out.name if out else "THIS_FILE")
     if out is None:
         sys.stdout.write(text)
     else:
