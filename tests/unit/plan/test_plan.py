@@ -81,7 +81,14 @@ def _header_verdict(path: Path) -> bool | None:
     return None if m is None else m.group(1) == "fits"
 
 
-def test_every_bundled_recipe_plans_as_its_header_says() -> None:
+def _header_peak(path: Path) -> float | None:
+    m = re.search(r"^# plan: fits: peak ([\d.]+) GiB/rank", path.read_text(), re.M)
+    return None if m is None else float(m.group(1))
+
+
+def test_every_bundled_recipe_plans_as_its_header_says_with_3_percent_headroom() -> None:
+    """Every shipped recipe fits as its header says, at the peak the header quotes, with at least 3 % of usable
+    memory left (plan/headroom.py: under it `plan` advises a knob; issue 59: three recipes fitted by 0.07-0.97 %)."""
     recipes = list_bundled_recipes()  # recursive: sub-folders included
     hardware = [n for n, p in recipes.items() if "hardware" in p.parts]
     assert len(hardware) >= 6
@@ -92,6 +99,9 @@ def test_every_bundled_recipe_plans_as_its_header_says() -> None:
             assert verdict is not None, f"{name}: header needs '# plan: fits' or '# plan: does NOT fit'"
         if verdict is not None:
             assert p.fits == verdict, (name, p.to_json()["per_rank"], p.usable)
+        if (peak := _header_peak(path)) is not None:
+            assert round(p.estimate.total / 2**30, 2) == peak, (name, p.estimate.total / 2**30)
+        assert p.headroom >= 0.03 * p.usable and p.advice == [], (name, p.headroom / p.usable, p.advice)
 
 
 def test_cli_plan_json_contract_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -144,14 +154,15 @@ def test_plan_report_names_what_nf4_quantizes_and_what_it_replaces(recipe: str, 
 def test_sharded_adapter_states_in_the_plan() -> None:
     """engine.shard_adapter_states at 2 GPUs: each rank's adapter AdamW state is its run of the engine's own
     partition (replicated.partition), within one adapter of half the whole; the 70B QLoRA recipe with nothing
-    offloaded fits only with it."""
+    offloaded keeps its 3 % of headroom only with it."""
     on = make_plan("llama-3.1-70b-qlora-2x24gb")
     off = make_plan("llama-3.1-70b-qlora-2x24gb", ["engine.shard_adapter_states=false"])
     lora, largest = on.estimate.lora_params, max(on.stats.lora_sizes())
     assert sum(on.stats.lora_sizes()) == lora
     assert off.estimate.per_rank["optimizer_bytes"] == 8 * lora
     assert 8 * lora / 2 <= on.estimate.per_rank["optimizer_bytes"] <= 8 * (lora / 2 + largest)
-    assert on.fits and not off.fits
+    assert on.fits and on.advice == []
+    assert off.fits and off.advice and off.advice[0].startswith("headroom ")  # under 3 % of headroom without it
 
 
 def test_fsdp2_no_shard_frees_each_unit_after_forward() -> None:
