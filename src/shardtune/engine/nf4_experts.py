@@ -1,16 +1,21 @@
-"""Fused expert weights stored as NF4 (QLoRA on a mixture of experts): grouped matmuls over runs of experts, each
-run dequantized into the reused tile buffer (nf4_linear.py), in forward and again in backward.
+"""Fused expert weights stored as NF4 (QLoRA on a mixture of experts): grouped matmuls over tiles of every expert's
+weight, each tile dequantized into the reused tile buffer (nf4_linear.py), in forward and again in backward.
 
 A layer's experts `[E, out, in]` are quantized as one `(E·out) x in` matrix (nf4_layout.matrix_shape), blocks along
 the input dim like a Linear's (experts stored transposed, `[E, in, out]`, are quantized as their transpose): expert e
-is rows [e·out, (e+1)·out), whole 64-element blocks, so a run of experts dequantizes on its own with
-`dequantize_rows`. The
-experts' rows of the input are sorted by expert (model/experts.py); a run's rows are contiguous, so each run is one
-grouped matmul over its experts. Runs hold as many experts as `tile_bytes` of the compute dtype allow (at least one):
-one run per layer when the layer's experts fit (the whole layer dequantized: c·E·a·b bytes), else several, never
-more than `tile_bytes` of dequantized weight alive. The weight is frozen: backward computes only the input's
-gradient, re-dequantizing each run (autograd saves the NF4 views, not a dequantized copy). The router, norms and
-adapters are not here: they stay in the compute dtype.
+is rows [e·out, (e+1)·out), whole 64-element blocks. The experts' rows of the input are sorted by expert
+(model/experts.py) and `offsets` (on the device) says where each expert's rows end.
+
+The tiles cut across the experts, never between them: forward, output rows [o0, o1) of every expert (y[:, o0:o1] =
+one grouped matmul over all of x's rows); backward, input columns [c0, c1) of every expert's rows (whole blocks,
+grad_x[:, c0:c1], a full-length dot product each). Cutting between experts (runs of whole experts) needs each run's
+rows, a read of `offsets` on the host: a GPU sync per projection, ~6 per MoE layer per micro-batch. Here no host
+ever reads `offsets`. A tile holds at most what `tile_bytes` of whole experts would (`experts_per_run`, the plan's
+buffer: plan/moe.py nf4_experts_bytes): one tile per projection when the layer's experts fit (the whole layer
+dequantized: c·E·a·b bytes), else several. The weight is frozen: backward computes only the input's gradient,
+re-dequantizing each tile (autograd saves the NF4 views, not a dequantized copy). Rows that split blocks (in not a
+multiple of 64) or a block column too big for the budget make the backward sum output-row tiles instead, in fp32
+(as nf4_linear.py does). The router, norms and adapters are not here: they stay in the compute dtype.
 """
 from __future__ import annotations
 
@@ -18,10 +23,12 @@ from typing import Any
 
 import torch
 
-from shardtune import accelerator
 from shardtune.engine.nf4 import NF4Tensor
-from shardtune.engine.nf4_linear import _buffer, block_scalers, dequantize_rows
-from shardtune.model.experts import balanced_ends, grouped_mm
+from shardtune.engine.nf4_layout import BLOCK
+from shardtune.engine.nf4_linear import _buffer, _byte_table, _gcd, block_scalers, dequantize_cols
+from shardtune.model.experts import grouped_mm
+
+ROW_ALIGN = 8  # output rows per tile a multiple of 8: 16-byte rows in bf16, what torch's grouped kernel needs
 
 
 class Nf4Experts:
@@ -35,33 +42,55 @@ class Nf4Experts:
         self.tile_bytes = tile_bytes
 
     def experts_per_run(self) -> int:
+        """Whole experts `tile_bytes` hold (at least one): the budget of a tile, in experts."""
         per_expert = self.shape[1] * self.shape[2] * self.dtype.itemsize
         return max(1, min(self.shape[0], self.tile_bytes // per_expert if self.tile_bytes else self.shape[0]))
 
+    def rows_per_tile(self) -> int:
+        """Forward: output rows of every expert per tile, within the budget, a multiple of the rows that hold whole
+        blocks and of ROW_ALIGN (all of them when the budget is every expert)."""
+        e, a, b = self.shape
+        if self.experts_per_run() == e:
+            return a
+        step = max(BLOCK // _gcd(b, BLOCK), ROW_ALIGN)
+        return min(a, max(step, self.experts_per_run() * a // e // step * step))
+
+    def cols_per_slab(self) -> int:
+        """Backward: input columns of every expert's rows per slab (whole blocks, within the budget); 0 when a row
+        is not whole blocks or one block column of every row is over the budget."""
+        e, a, b = self.shape
+        cols = self.experts_per_run() * b // e // BLOCK * BLOCK
+        return 0 if b % BLOCK or cols < BLOCK else min(b, cols)
+
     def grouped_linear(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """x (S, in), rows sorted by expert, offsets (E,) int32 cumulative row counts -> (S, out) = x·W[e]ᵀ per
-        expert, in x's dtype."""
+        """x (S, in), rows sorted by expert, offsets (E,) int32 cumulative row counts (read on the device only) ->
+        (S, out) = x·W[e]ᵀ per expert, in x's dtype."""
         return _GroupedNf4.apply(x, offsets, self)
 
 
-def _runs(w: Nf4Experts, offsets: torch.Tensor, rows: int):
-    """(first expert, last + 1, first row, last row + 1, local offsets) of each run of experts with rows."""
-    if accelerator.is_simulated(offsets.device):  # no data: the even split routed_offsets assumed
-        ends = balanced_ends(rows, w.shape[0])
-    else:
-        ends = offsets.tolist()  # one host read per projection (a GPU sync), for the runs' row ranges
-    n = w.experts_per_run()
-    for e0 in range(0, w.shape[0], n):
-        e1 = min(w.shape[0], e0 + n)
-        r0, r1 = (ends[e0 - 1] if e0 else 0), ends[e1 - 1]
-        if r1 > r0:
-            yield e0, e1, r0, r1, (offsets[e0:e1] - r0).to(torch.int32)
+def dequantize_expert_rows(w: Nf4Experts, o0: int, o1: int, out: torch.Tensor, scalers: torch.Tensor) -> torch.Tensor:
+    """Output rows [o0, o1) of every expert -> (E, o1-o0, in) in `out` (1D, w.dtype); element for element the
+    operations of nf4_linear.dequantize_rows."""
+    e, a, b = w.shape
+    assert o0 * b % BLOCK == 0 and (o1 * b % BLOCK == 0 or o1 == a), "tiles hold whole quantization blocks"
+    n = (o1 - o0) * b
+    tile = out[:e * n]
+    codes = w.matrix.quantized_data.view(e, a * b // 2)[:, o0 * b // 2:o1 * b // 2].to(torch.int32)
+    torch.index_select(_byte_table(w.dtype, w.matrix.device), 0, codes.reshape(-1), out=tile.view(-1, 2))
+    del codes
+    tile.view(e, n // BLOCK, BLOCK).mul_(scalers.view(e, a * b // BLOCK)[:, o0 * b // BLOCK:o1 * b // BLOCK, None])
+    return tile.view(e, o1 - o0, b)
 
 
-def _dequantized(w: Nf4Experts, e0: int, e1: int, scalers: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    a, b = w.shape[1], w.shape[2]
-    buf = _buffer(w.experts_per_run() * a * b, w.dtype, w.matrix.device)
-    return dequantize_rows(w.matrix, e0 * a, e1 * a, buf, scalers).view(e1 - e0, a, b).to(dtype)
+def _tile(w: Nf4Experts, o0: int, o1: int, scalers: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    buf = _buffer(w.shape[0] * w.rows_per_tile() * w.shape[2], w.dtype, w.matrix.device)
+    return dequantize_expert_rows(w, o0, o1, buf, scalers).to(dtype)
+
+
+def _slab(w: Nf4Experts, c0: int, c1: int, scalers: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    e, a, _ = w.shape
+    buf = _buffer(e * a * w.cols_per_slab(), w.dtype, w.matrix.device)
+    return dequantize_cols(w.matrix, c0, c1, buf, scalers).view(e, a, c1 - c0).to(dtype)
 
 
 class _GroupedNf4(torch.autograd.Function):
@@ -69,19 +98,37 @@ class _GroupedNf4(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, offsets: torch.Tensor, w: Nf4Experts) -> torch.Tensor:
         ctx.save_for_backward(offsets)
         ctx.w = w  # views of the gathered NF4 bytes: nothing new kept alive
-        y = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+        a, rows = w.shape[1], w.rows_per_tile()
         scalers = block_scalers(w.matrix)
-        for e0, e1, r0, r1, local in _runs(w, offsets, x.shape[0]):
-            y[r0:r1] = grouped_mm(x[r0:r1], _dequantized(w, e0, e1, scalers, x.dtype).transpose(-2, -1), local)
+        if rows == a:
+            return grouped_mm(x, _tile(w, 0, a, scalers, x.dtype).transpose(-2, -1), offsets)
+        y = torch.empty(x.shape[0], a, dtype=x.dtype, device=x.device)
+        for o0 in range(0, a, rows):
+            o1 = min(a, o0 + rows)
+            y[:, o0:o1] = grouped_mm(x, _tile(w, o0, o1, scalers, x.dtype).transpose(-2, -1), offsets)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:
         (offsets,) = ctx.saved_tensors
         w = ctx.w
+        _, a, b = w.shape
         g = grad_y.contiguous()
-        gx = torch.zeros(g.shape[0], w.shape[2], dtype=g.dtype, device=g.device)
         scalers = block_scalers(w.matrix)
-        for e0, e1, r0, r1, local in _runs(w, offsets, g.shape[0]):
-            gx[r0:r1] = grouped_mm(g[r0:r1], _dequantized(w, e0, e1, scalers, g.dtype), local)
-        return gx, None, None
+        rows = w.rows_per_tile()
+        if rows == a:
+            return grouped_mm(g, _tile(w, 0, a, scalers, g.dtype), offsets), None, None
+        cols = w.cols_per_slab()
+        if cols:  # column slabs: each writes its own columns of grad_x
+            gx = torch.empty(g.shape[0], b, dtype=g.dtype, device=g.device)
+            for c0 in range(0, b, cols):
+                c1 = min(b, c0 + cols)
+                gx[:, c0:c1] = grouped_mm(g, _slab(w, c0, c1, scalers, g.dtype), offsets)
+            return gx, None, None
+        # Rows that split blocks: a sum over output-row tiles, accumulated in fp32 (each tile's product rounded
+        # once to the compute dtype), so a bf16 run sees about the one rounding of a single matmul.
+        acc = torch.zeros(g.shape[0], b, dtype=torch.float32, device=g.device)
+        for o0 in range(0, a, rows):
+            o1 = min(a, o0 + rows)
+            acc += grouped_mm(g[:, o0:o1].contiguous(), _tile(w, o0, o1, scalers, g.dtype), offsets)
+        return acc.to(g.dtype), None, None

@@ -136,16 +136,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch.ops.transformers.grouped_mm_fallback(x, w, offsets)
 
 
-def balanced_ends(num_slots: int, num_experts: int) -> list[int]:
-    return [num_slots * (e + 1) // num_experts for e in range(num_experts)]
-
-
 def routed_offsets(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(E,) int32 cumulative routed rows per expert. The simulated GPU (plan --simulate) holds no data: there the
-    router is taken to spread the rows evenly, the plan's assumption."""
-    if accelerator.is_simulated(ids.device):
-        return torch.tensor(balanced_ends(ids.numel(), num_experts), dtype=torch.int32, device=ids.device)
-    return torch.bincount(ids, minlength=num_experts).cumsum(0).to(torch.int32)
+    """(E,) int32 cumulative routed rows per expert of the expert-sorted `ids`: how many ids are <= e, found on the
+    device. Not bincount: CUDA's reads the ids' maximum on the host (a sync per MoE layer per micro-batch)."""
+    experts = torch.arange(num_experts, device=ids.device, dtype=ids.dtype)
+    return torch.searchsorted(ids, experts, right=True, out_int32=True)
 
 
 def project(self: nn.Module, weight: str, x: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

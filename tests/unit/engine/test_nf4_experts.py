@@ -15,22 +15,31 @@ from shardtune.engine.nf4_experts import Nf4Experts
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, matrix_shape, scaler_block
 
 
-@pytest.mark.parametrize("tile_bytes", [64 * 32 * 4, 1 << 20])  # one expert per run | all experts in one run
-def test_grouped_nf4_equals_per_expert_loop(tile_bytes):
+# (shape [E, out, in], tile_bytes, (rows per forward tile, columns per backward slab)):
+@pytest.mark.parametrize("shape,tile_bytes,tiles", [
+    ((8, 64, 32), 1 << 20, (64, 0)),  # every expert in one tile: the whole layer at once
+    ((8, 64, 32), 64 * 32 * 4, (8, 0)),  # a budget of one expert: row tiles; rows split blocks: fp32 sum in backward
+    ((8, 64, 128), 2 * 64 * 128 * 4, (16, 0)),  # two experts' budget: row tiles; one block column is over it
+    ((8, 16, 256), 4 * 16 * 256 * 4, (8, 128)),  # four experts': row tiles forward, column slabs backward
+])
+def test_grouped_nf4_equals_per_expert_loop(shape, tile_bytes, tiles, monkeypatch):
     torch.manual_seed(0)
-    shape = (8, 64, 32)  # [E, out, in]
     w = torch.randn(shape) * 0.05
     layout = Nf4Layout.of(torch.Size(shape), torch.float32)
     buf = quantize(lambda a, m: w.reshape(-1)[a:a + m], layout, torch.device("cpu"))
     experts = Nf4Experts(nf4_view(buf, layout), torch.Size(shape), tile_bytes=tile_bytes)
-    assert experts.experts_per_run() == (1 if tile_bytes < 1 << 20 else 8)
-    ref_w = to_nf4(w.reshape(-1, 32), BLOCK, scaler_block(w.numel())).get_original_weight().view(shape)
+    assert (experts.rows_per_tile(), experts.cols_per_slab()) == tiles
+    ref_w = to_nf4(w.reshape(-1, shape[2]), BLOCK, scaler_block(w.numel())).get_original_weight().view(shape)
     counts = torch.tensor([3, 0, 5, 1, 0, 7, 2, 4])  # an expert with no tokens, too
     offsets = counts.cumsum(0).to(torch.int32)
     x = torch.randn(int(counts.sum()), shape[2], requires_grad=True)
+    # offsets stay on the device: a host read of them is a GPU sync per projection (issue 58)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("host read of the offsets"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("host read of the offsets"))
     y = experts.grouped_linear(x, offsets)
     g = torch.randn_like(y)
     (y * g).sum().backward()
+    monkeypatch.undo()
     xr = x.detach().clone().requires_grad_()
     parts, start = [], 0
     for e, n in enumerate(counts.tolist()):
@@ -112,3 +121,12 @@ def test_qlora_moe_unit_stores_experts_as_nf4():
     assert names == {"self_attn.q_proj.base_layer.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                      "self_attn.o_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}, names
     # the router (mlp.gate.weight), norms and adapters stay in the compute dtype
+
+
+
+def test_routed_offsets_are_the_cumulative_counts():
+    from shardtune.model.experts import routed_offsets
+
+    ids = torch.sort(torch.tensor([5, 0, 2, 2, 7, 5, 5, 0]))[0]  # experts 1, 3, 4 and 6 with no rows
+    offsets = routed_offsets(ids, 8)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [2, 2, 4, 4, 4, 7, 7, 8]
