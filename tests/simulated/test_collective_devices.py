@@ -24,7 +24,6 @@ ON_DEVICE = {
     ("model/fingerprint.py", "check_same_on_all_ranks"): "checksums built with device=runtime device",
     ("trainer/decode.py", "_all_ended"): "the count of ended rows, summed from the decoded tokens (model's device)",
     ("trainer/evaluate.py", "eval_loss"): "the eval loss sum and target count, built with device=runtime device",
-    ("trainer/signals.py", "agreed"): "built with device=runtime device",
     ("trainer/objective.py", "_precompute"): "the DPO reference table, built with device=runtime device",
     ("trainer/objective.py", "_eval_on_device"): "the DPO eval statistics, built with device=runtime device",
     ("trainer/train.py", "train_step"): "the step's loss sum, built with device=runtime device",

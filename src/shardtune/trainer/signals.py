@@ -2,15 +2,12 @@
 asks the worker to finish the current step, save a checkpoint (whatever train.save_every says: a stop must lose
 nothing) and exit: EXIT_PREEMPTED, or EXIT_INTERRUPTED for
 Ctrl-C (the shell's code for it). The handler only sets a flag; the stop is agreed on by all ranks at a step
-boundary (one all-reduce), because a signal may reach only some of them."""
+boundary, because a signal may reach only some of them: each rank's vote rides on the step's own all-reduce and host
+read (trainer/train.py train_step), so agreeing costs no collective and no GPU sync of its own."""
 from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # torch-free at import: a worker interrupted while importing torch still says so (trainer/worker.py)
-    import torch
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped on request, checkpoint saved: run the same command to resume"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -41,19 +38,19 @@ SETUP_INTERRUPTS: list[int] = []
 class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = SETUP_INTERRUPTS[-1] if SETUP_INTERRUPTS else None
+        self.stopping = False  # agreed by all ranks at the last step boundary
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
         self.signum = signum
 
-    def agreed(self, device: torch.device) -> bool:
-        """Collective: True when any rank received a stop signal."""
-        import torch
-        import torch.distributed as dist
+    def vote(self) -> int:
+        """This rank's part of the agreement: 1 once it received a stop signal, else 0."""
+        return int(self.signum is not None)
 
-        t = torch.tensor([1 if self.signum is not None else 0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        from shardtune import accelerator
-
-        return bool(accelerator.item(t))
+    def settle(self, votes: float) -> bool:
+        """`votes`: every rank's `vote` summed (the same number on every rank): stop when any rank asked. Sets and
+        returns `stopping`."""
+        self.stopping = votes > 0
+        return self.stopping

@@ -86,7 +86,7 @@ def train(recipe: Recipe) -> dict:
 
     run.model.train()
     for step in range(start_step, max_steps):
-        record = train_step(run, step, tracker)
+        record = train_step(run, step, tracker, stop)
         if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
             skipped += 1  # the optimizer did not step; the data moves on
             record["skipped"] = True
@@ -100,7 +100,7 @@ def train(recipe: Recipe) -> dict:
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == max_steps:
             record.update(run.objective.evaluate(run.model, rt, global_size=run.batches.global_size))
         log.log(record)
-        stopping = stop.agreed(rt.device)  # a stop saves at any train.save_every, 0 included: nothing is lost
+        stopping = stop.stopping  # agreed in train_step; a stop saves at any train.save_every, 0 included
         if stopping or cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == max_steps):
             save_checkpoint(run, step + 1)
         if stopping:
@@ -177,7 +177,8 @@ def build_optimizer(sharded: ShardedModel, cfg: TrainConfig) -> torch.optim.Opti
                              **flags)
 
 
-def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
+def train_step(run: Run, step: int, tracker: Any, stop: StopRequest | None = None) -> dict[str, Any]:
+    """One optimizer step. `stop`: the ranks agree on it here (its `stopping`), on the step's one host read."""
     rt, cfg = run.rt, run.recipe.train
     t0 = time.perf_counter()
     comm0 = run.sharded.comm_bytes()
@@ -201,6 +202,9 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
         part = torch.cat([loss.detach().double().view(1), mb_stats.detach().double()])
         sums = part if sums is None else sums + part
     assert sums is not None
+    # This rank's stop vote rides on the step's all-reduce (a scalar kernel argument: no copy from the host), so every
+    # rank reads the same sum at the same step, with no collective or sync of its own (trainer/signals.py).
+    sums = torch.cat([sums, sums.new_full((1,), stop.vote() if stop is not None else 0)])
     grad_norm_t = run.sharded.clip_grad_norm_(cfg.max_grad_norm)  # global: identical on every rank
     dist.all_reduce(sums)
     run.prefetched = (step + 1, *device_batches(run, step + 1))  # copies queued before the CPU blocks below
@@ -210,18 +214,20 @@ def train_step(run: Run, step: int, tracker: Any) -> dict[str, Any]:
     both = torch.cat([sums, grad_norm_t.detach().to(sums.device, torch.float64).view(1),
                       *(start[k].detach().to(sums.device, torch.float64).view(1) for k in pending)])
     values = accelerator.to_host(both).tolist()
-    *sums_global, grad_norm = values[:len(sums) + 1]
+    *sums_global, votes, grad_norm = values[:len(sums) + 1]
     start.update(zip(pending, values[len(sums) + 1:]))
-    # No device sync at the end of the step: the read above waited for this step's backward and the previous step's
-    # optimizer (stream order), so in steady state start -> read is one step's device time, and the CPU queues the
-    # optimizer and the next step's gathers without waiting.
-    step_time = time.perf_counter() - t0
+    if stop is not None:
+        stop.settle(votes)
     loss_global, stats_global = sums_global[0], sums_global[1:]
     lr = run.scheduler.get_last_lr()[0]  # this step's rate: the scheduler moves to the next step's below
     if math.isfinite(loss_global) and math.isfinite(grad_norm):  # every rank takes the same branch
         run.optimizer.step()
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
+    # The step's time spans the optimizer: on the host its whole run (a CPU run, cpu_offload's host AdamW); a GPU's
+    # optimizer is queued here, and the next step's read waits for it (stream order), so in steady state each step's
+    # span holds one step's device time, optimizer included. No device sync to time it.
+    step_time = time.perf_counter() - t0
     tokens = run.batches.global_size * run.objective.rows_per_item * run.recipe.data.seq_len
     record = {"step": step + 1, "epoch": round((step + 1) * run.batches.global_size / len(run.batches.rows), 4),
               "loss": loss_global, "lr": lr, "grad_norm": grad_norm,
