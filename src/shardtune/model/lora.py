@@ -1,7 +1,7 @@
 """LoRA through peft: inject adapters into the HF model (in place), and write them as a PEFT adapter folder.
 
 `get_peft_model` replaces each target Linear with a LoRA layer (`base_layer` + `lora_A/B.default`) inside the model
-object we already hold, freezes every other parameter and records its `LoraConfig` as `model.peft_config`; the
+object we already hold (whose forward we then route through one autograd Function: model/lora_linear.py), freezes every other parameter and records its `LoraConfig` as `model.peft_config`; the
 engine then shards the frozen base and keeps the adapters replicated (see engine/replicated.py). The adapter folder
 (`adapter_config.json` + `adapter_model.safetensors`, PEFT's key names) loads with `PeftModel.from_pretrained`.
 """
@@ -33,6 +33,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, base_name: str | None = Non
     from peft import get_peft_model
 
     from shardtune.model.experts import apply_expert_lora, use_grouped_experts
+    from shardtune.model.lora_linear import use_fused_lora
     from shardtune.model.moe_checks import resolve_targets
 
     targets = resolve_targets(model, cfg.target_modules)
@@ -48,6 +49,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, base_name: str | None = Non
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             peft_model = get_peft_model(model, config)
         assert peft_model.base_model.model is model  # injection is in place: the trainer keeps calling `model`
+        use_fused_lora(model)  # base matmul and adapter in one autograd Function (model/lora_linear.py)
     else:  # experts only: nothing for peft to inject; the base is frozen here and the config kept for the export
         model.requires_grad_(False)
         model.peft_config = {ADAPTER: config}
