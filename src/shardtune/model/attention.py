@@ -52,6 +52,10 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     """query [b, heads, s, d], key/value [b, kv_heads, s, d] -> ([b, s, heads, d], None), as transformers expects."""
     if context_parallel.active():  # this rank's part of each row, over the group's keys and values
         gqa = key.shape[1] != query.shape[1]
+        if _varlen_runs(query, dropout):  # every document piece of the batch in one call (no window: refused)
+            keys, values = context_parallel.gather(key, value)
+            queries, documents = context_parallel.document_lengths()
+            return _varlen(query, keys, values, queries, scaling, None, gqa, key_lengths=documents), None
         out = context_parallel.attention(query, key, value, lambda q, k, v: _sdpa(q, k, v, scaling, dropout, gqa))
         return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # a 4-D mask of the caller's, or a KV cache
@@ -106,18 +110,24 @@ def _varlen_runs(query: torch.Tensor, dropout: float) -> bool:
 
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, doc_lengths: packing.DocLengths,
-            scaling: float | None, window: int | None, gqa: bool) -> torch.Tensor:
+            scaling: float | None, window: int | None, gqa: bool, *,
+            key_lengths: packing.DocLengths | None = None) -> torch.Tensor:
     """Every document of every row in one flash call: the rows laid end to end ([b*s, heads, d]), the documents
-    cut by cumulative offsets. Query i sees keys i-W+1 .. i of its document (window_size (W-1, 0)), as `_Band`."""
+    cut by cumulative offsets. Query i sees keys i-W+1 .. i of its document (window_size (W-1, 0)), as `_Band`.
+    `key_lengths` (context parallelism): the documents' keys, when a row has more keys than queries; flash then
+    aligns each document's queries with its last keys (causal at the bottom right)."""
     b, h, s, d = query.shape
-    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value)]
-    offsets, longest = _cu_seqlens(tuple(map(tuple, doc_lengths)), query.device)
-    out = varlen_attn(*flat, offsets, offsets, longest, longest, scale=scaling, enable_gqa=gqa,
+    q = query.transpose(1, 2).reshape(b * s, h, d)
+    k, v = (t.transpose(1, 2).reshape(b * t.shape[2], t.shape[1], d) for t in (key, value))
+    q_offsets, q_longest = _cu_seqlens(tuple(map(tuple, doc_lengths)), query.device)
+    k_offsets, k_longest = (q_offsets, q_longest) if key_lengths is None else \
+        _cu_seqlens(tuple(map(tuple, key_lengths)), query.device)
+    out = varlen_attn(q, k, v, q_offsets, k_offsets, q_longest, k_longest, scale=scaling, enable_gqa=gqa,
                       window_size=(-1, 0) if window is None else (window - 1, 0))
     return out.view(b, s, h, d)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)  # a batch's documents, and under context parallelism its keys
 def _cu_seqlens(doc_lengths: packing.DocLengths, device: torch.device) -> tuple[torch.Tensor, int]:
     """The documents' start offsets (and the end) as int32 on `device`, and the longest document. Cached: every
     layer, its recompute and its backward ask for the same batch's; the copy is pinned and non-blocking (no sync)."""

@@ -17,6 +17,12 @@ at the top left, so for each document a query piece that starts inside it is pre
 the document before the piece; their output rows are dropped. One causal SDPA call per document piece, exact, no
 mask. Cost: attention is not balanced over the ranks (the last rank's queries see the whole row); a zigzag order of
 the sequence would balance it, and is not done. Sliding-window layers are refused (model/moe_checks.py).
+
+On a GPU, where packed rows take flash varlen attention (model/attention.py), the pieces do too: one call per layer
+for every piece of every row, no padding. Each document is one varlen sequence of its queries on this rank (maybe
+none) over its keys up to this rank's last token (`document_lengths`): flash aligns the causal diagonal at the bottom
+right when a sequence has fewer queries than keys, which is exactly where a rank's queries of a document sit. One
+SDPA call per piece per layer was ~92k launches per micro-batch at 80 layers of short documents.
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ class _Rows:
     start: int
     stop: int
     pieces: list[tuple[list[int], list[int], list[int | None]]]
+    # per row, each document's (queries on this rank, keys up to `stop`): the varlen sequences (document_lengths)
+    lengths: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
 
 
 _GROUP: list[_Group] = []  # set by `enable` (the trainer), at most one
@@ -89,7 +97,9 @@ def bounds(seq_len: int) -> tuple[int, int]:
 def set_rows(start: int, stop: int, docs: Sequence[Sequence[int]]) -> None:
     """The rows of the forward about to run. They stay set after it: activation checkpointing recomputes the units
     in backward, whose attention must split the same rows; the next training or eval forward replaces them."""
-    _ROWS[:] = [_Rows(start, stop, [_pieces(row, start, stop) for row in docs])]
+    pieces = [_pieces(row, start, stop) for row in docs]
+    queries = tuple(tuple(0 if f is None else q[f] for f in firsts) for q, _, firsts in pieces)
+    _ROWS[:] = [_Rows(start, stop, pieces, (queries, tuple(tuple(k) for _, k, _ in pieces)))]
 
 
 def active() -> bool:
@@ -100,10 +110,9 @@ def active() -> bool:
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sdpa: Any) -> torch.Tensor:
     """This rank's queries [b, heads, n, d] over the group's keys and values -> [b, heads, n, d].
     `sdpa(q, k, v)`: one causal call (model/attention.py's, with its scale, dropout and grouped heads)."""
-    g, r = _GROUP[0], _ROWS[-1]
-    a, z = r.start, r.stop
-    assert query.shape[2] == z - a and key.shape[2] == z - a, "a forward over this rank's part of the rows"
-    keys, values = (g.gather(t)[:, :, :z] for t in (key, value))  # [b, kv_heads, z, d]
+    r = _ROWS[-1]
+    assert query.shape[2] == r.stop - r.start, "a forward over this rank's part of the rows"
+    keys, values = gather(key, value)
     out = []
     for (q_cuts, k_cuts, firsts), q_row, k_row, v_row in zip(r.pieces, query.split(1), keys.split(1),
                                                              values.split(1), strict=True):
@@ -119,6 +128,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sdpa:
             parts.append(sdpa(q, k, v)[:, :, pad:])
         out.append(torch.cat(parts, dim=2))
     return torch.cat(out, dim=0)
+
+
+def gather(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's keys and values [b, kv_heads, n, d] -> the group's, up to this rank's last token [b, kv_heads, z, d]."""
+    g, r = _GROUP[0], _ROWS[-1]
+    assert key.shape[2] == r.stop - r.start, "a forward over this rank's part of the rows"
+    return g.gather(key)[:, :, :r.stop], g.gather(value)[:, :, :r.stop]
+
+
+def document_lengths() -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Per row, each document that starts before this rank's last token: (its queries on this rank, 0 for one that
+    ended before them; its keys up to that token). What flash varlen takes, causal at the bottom right."""
+    return _ROWS[-1].lengths
 
 
 def _pieces(docs: Sequence[int], a: int, z: int) -> tuple[list[int], list[int], list[int | None]]:
