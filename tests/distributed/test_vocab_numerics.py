@@ -37,7 +37,7 @@ def _table(master: torch.Tensor) -> VocabTable:
                      shard_rank=rank, shard_size=world, compute_dtype=torch.bfloat16, device=torch.device("cpu"),
                      pad_multiple=world * HIDDEN)
     return VocabTable(flat, num_rows=VOCAB, hidden=HIDDEN, group=dist.group.WORLD, counter=CommCounter(),
-                      device=torch.device("cpu"), padding_idx=None)
+                      device=torch.device("cpu"), padding_idx=None, reduce_dtype=torch.float32)
 
 
 def _local_grad(table: VocabTable) -> torch.Tensor:

@@ -124,3 +124,22 @@ def test_log_sum_exp_in_place_and_no_hidden_temporary():
         linear_cross_entropy(h, w, t, chunk_tokens=16).backward()
     assert not any(n.startswith("logsumexp") for n in ops.names), ops.names
     assert any(n.startswith("amax") for n in ops.names)  # the dispatch mode saw the loss's ops
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32])
+def test_loss_scale_stays_fp32(hidden_dtype):
+    """Issue 58 defect 6: the trainer's loss scale (1 / the target count, an fp32 scalar) multiplies the bf16 head's
+    hidden-state gradient in fp32, rounded once: the exact fp32 figure, not the scale rounded to bf16 first."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(300, 32, generator=g).to(hidden_dtype)
+    weight = (torch.randn(50, 32, generator=g) * 0.3).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (300,), generator=g)
+    scale = torch.tensor(1 / 3)  # bf16 rounds it to 0.33398 (+0.2 %)
+    grads = []
+    for s in (torch.tensor(1.0), scale):
+        h = hidden.clone().requires_grad_()
+        (linear_cross_entropy(h, weight, targets, chunk_tokens=128) * s).backward()
+        grads.append(h.grad)
+    unit, scaled = grads
+    want = (unit.float() * scale).to(hidden_dtype)  # unit: the gradient a loss of 1 formed, in hidden's dtype
+    assert scaled.dtype == hidden_dtype and torch.equal(scaled, want)

@@ -147,11 +147,13 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, counter: CommC
 class GatherSequence(torch.autograd.Function):
     """[b, heads, n, d] on each of N ranks -> [b, heads, N·n, d], the ranks' pieces in rank order (the keys and
     values of engine.context_parallel, model/context_parallel.py). Backward: the gradient's pieces summed over the
-    ranks, each rank keeping its own (reduce-scatter)."""
+    ranks in `reduce_dtype` (engine.reduce_dtype, as every gradient sum), each rank keeping its own
+    (reduce-scatter), then cast back to the input's dtype."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, counter: CommCounter) -> torch.Tensor:
-        ctx.group, ctx.counter, ctx.shape = group, counter, x.shape
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, counter: CommCounter,
+                reduce_dtype: torch.dtype) -> torch.Tensor:
+        ctx.group, ctx.counter, ctx.shape, ctx.reduce_dtype = group, counter, x.shape, reduce_dtype
         world = dist.get_world_size(group)
         out = x.new_empty((world, *x.shape))
         all_gather_into(out.view(-1), x.contiguous().view(-1), group, counter, label="context_parallel")
@@ -159,11 +161,12 @@ class GatherSequence(torch.autograd.Function):
         return out.permute(1, 2, 0, 3, 4).reshape(b, h, world * n, d)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         b, h, n, d = ctx.shape
         world = dist.get_world_size(ctx.group)
-        full = grad.reshape(b, h, world, n, d).permute(2, 0, 1, 3, 4).contiguous()
-        out = grad.new_empty(ctx.shape)
+        full = grad.new_empty((world, b, h, n, d), dtype=ctx.reduce_dtype)  # one copy: rank-major, in that dtype
+        full.copy_(grad.reshape(b, h, world, n, d).permute(2, 0, 1, 3, 4))
+        out = full.new_empty(ctx.shape)
         reduce_scatter_into(out.view(-1), full.view(-1), ctx.group, ctx.counter, full_is_scratch=True,
                             label="context_parallel")
-        return out, None, None
+        return out.to(grad.dtype), None, None, None

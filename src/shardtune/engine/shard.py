@@ -269,7 +269,8 @@ def _install_vocab_tables(ctx: EngineContext, root: Unit, replicate_group: Proce
         head = next((m for m in mods if isinstance(m, nn.Linear)), None)
         table = VocabTable(flat, num_rows=slot.shape[0], hidden=slot.shape[1], group=ctx.shard_group,
                            counter=ctx.counter, device=ctx.device,
-                           padding_idx=emb.padding_idx if emb is not None else None, reducer=ctx.reducer,
+                           padding_idx=emb.padding_idx if emb is not None else None,
+                           reduce_dtype=ctx.reduce_dtype, reducer=ctx.reducer,
                            copy_stream=ctx.copy_stream)
         install(table, emb, head)
         tables.append(table)

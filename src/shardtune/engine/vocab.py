@@ -55,7 +55,8 @@ class VocabTable:
     """One vocabulary table's local rows (a FlatParam built with whole rows per rank) and its collectives."""
 
     def __init__(self, flat: Any, *, num_rows: int, hidden: int, group: ProcessGroup, counter: CommCounter,
-                 device: torch.device, padding_idx: int | None, reducer: Any = None, copy_stream: Any = None) -> None:
+                 device: torch.device, padding_idx: int | None, reduce_dtype: torch.dtype, reducer: Any = None,
+                 copy_stream: Any = None) -> None:
         self.flat = flat
         self.num_rows = num_rows  # V, the real vocabulary
         self.hidden = hidden
@@ -69,6 +70,7 @@ class VocabTable:
         self.lo = self.rank * self.rows_per_rank
         self.num_local = max(0, min(num_rows - self.lo, self.rows_per_rank))  # real rows here (padding excluded)
         self.padding_idx = padding_idx  # nn.Embedding's: that row gets no gradient
+        self.reduce_dtype = reduce_dtype  # engine.reduce_dtype: the hidden states' gradients are summed over ranks in it
         # cpu_offload on an accelerator: the rows' gradient goes to the host through the units' reducer (its D2H
         # copies, added on the host before the optimizer reads gradients), issued on the copy stream
         self.reducer = reducer
@@ -127,12 +129,18 @@ class VocabTable:
         all_gather_into(out.view(-1), x.contiguous().view(-1), self.group, self.counter, label="vocab")
         return out
 
-    def scatter_sum(self, full: torch.Tensor) -> torch.Tensor:
-        """(W·n_max, H) partial sums on each rank -> (n_max, H): this rank's rows of the sum over ranks."""
+    def scatter_sum(self, full: torch.Tensor, *, gradient: bool = False) -> torch.Tensor:
+        """(W·n_max, H) partial sums on each rank -> (n_max, H): this rank's rows of the sum over ranks. A `gradient`
+        is summed in the reduce dtype, as every gradient sum of the engine: cast up before the collective, back after
+        (the copies are transient: what stays, until the backward scales it, is in `full`'s dtype, as the plan counts
+        it). The embedding's sum is exact in any dtype (one rank's value plus zeros) and stays in its own."""
+        dtype = full.dtype
+        if gradient:
+            full = full.to(self.reduce_dtype)
         out = full.new_empty((full.shape[0] // self.world, *full.shape[1:]))
         reduce_scatter_into(out.view(-1), full.view(-1), self.group, self.counter, full_is_scratch=True,
                             label="vocab")
-        return out
+        return out.to(dtype)
 
     # -- the three uses -----------------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -245,7 +253,8 @@ class _Logits(torch.autograd.Function):
         recv = torch.empty_like(send)
         all_to_all_into(recv.view(-1), send.view(-1), table.group, table.counter, label="vocab")
         g = recv.view(W * n_max, R)[:, :table.num_local]
-        grad_h = table.scatter_sum(g @ weight)[:n].to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        grad_h = table.scatter_sum(g @ weight, gradient=True)[:n].to(ctx.hidden_dtype) if ctx.needs_input_grad[0] \
+            else None
         grad_w = g.t() @ h_all if ctx.needs_input_grad[1] else None
         return grad_h, grad_w, None
 
@@ -302,7 +311,9 @@ class _CrossEntropy(torch.autograd.Function):
             if want_w:
                 add_outer_fp32(grad_w, g, h)
             del logits, g
-        grad_h = table.scatter_sum(grad_h_all)[:n] if want_h else None  # my tokens' gradient, summed over rows
+        h = t = h_all = None  # done with the gathered hidden states: freed before the sum's reduce-dtype copy
+        grad_h = table.scatter_sum(grad_h_all, gradient=True)[:n] if want_h else None  # my tokens', summed over rows
+        del grad_h_all
         ctx.table = table
         ctx.hidden_dtype = hidden.dtype
         ctx.save_for_backward(grad_h, grad_w)

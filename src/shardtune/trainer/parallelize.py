@@ -144,7 +144,8 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
 def enable_context_parallel(sharded: Any, *, on: bool) -> None:
     """engine.context_parallel: sequences split over the engine's shard group (model/context_parallel.py)."""
     group = sharded.ctx.shard_group if on else None
-    context_parallel.enable(group, lambda t: GatherSequence.apply(t, group, sharded.ctx.counter))
+    context_parallel.enable(group, lambda t: GatherSequence.apply(t, group, sharded.ctx.counter,
+                                                                  sharded.ctx.reduce_dtype))
 
 
 def materialize_adapters(model: nn.Module, *, seed: int) -> None:
