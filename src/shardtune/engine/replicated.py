@@ -170,14 +170,21 @@ class ReplicatedParams:
             return
         if self._empty_run is not None:
             self._empty_run.grad = torch.zeros_like(self._empty_run)
+        fresh, added = [], []  # (param, its reduced slice): a first gradient / one added to an existing one
         for (_, p), a, mine in zip(self.params, self._offsets, self.owned, strict=True):
-            if not mine:
-                continue  # another rank's: its gradient (and AdamW state) lives there only
-            reduced = source[a - base:a - base + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = reduced if self.sharded else reduced.to(p.dtype, copy=True)
-            else:
-                p.grad.add_(reduced)
+            if mine:  # another rank's: its gradient (and AdamW state) lives there only
+                (fresh if p.grad is None else added).append((p, source[a - base:a - base + p.numel()].view_as(p)))
+        # Multi-tensor calls: a few kernels on a GPU, not one per adapter
+        if added:
+            torch._foreach_add_([p.grad for p, _ in added], [r for _, r in added])
+        if self.sharded:  # the reduced run is this rank's own buffer: the gradients are views of it
+            for p, reduced in fresh:
+                p.grad = reduced
+        elif fresh:  # copies: the bucket is freed now
+            grads = [torch.empty_like(p) for p, _ in fresh]
+            torch._foreach_copy_(grads, [r for _, r in fresh])
+            for (p, _), g in zip(fresh, grads, strict=True):
+                p.grad = g
         self.pending = self._reduced = None
 
     def _new_pending(self, device: torch.device) -> torch.Tensor:
@@ -227,10 +234,11 @@ class ReplicatedParams:
             torch.cat([p.detach().reshape(-1) for p in owned], out=mine[:self.owned_numel])
         full = torch.empty(self.bucket_numel, dtype=torch.float32, device=device)
         all_gather_into(full, mine, self.group, self.counter, label=self.label)
-        with torch.no_grad():
-            for (_, p), a, m in zip(self.params, self._offsets, self.owned, strict=True):
-                if not m:
-                    p.copy_(full[a:a + p.numel()].view_as(p))
+        others = [(p, full[a:a + p.numel()].view_as(p))
+                  for (_, p), a, m in zip(self.params, self._offsets, self.owned, strict=True) if not m]
+        if others:
+            with torch.no_grad():  # one multi-tensor copy, not one per adapter
+                torch._foreach_copy_([p for p, _ in others], [v for _, v in others])
 
     def state_bytes(self) -> int:
         return sum(p.nbytes + (p.grad.nbytes if p.grad is not None else 0) for _, p in self.params)
