@@ -28,7 +28,7 @@ def test_moe_projection_reads_nothing_on_the_host():
     layout = Nf4Layout.of(torch.Size(shape), torch.bfloat16)
     buf = quantize(lambda a, m: torch.randn(m), layout, torch.device("cpu")).to(accelerator.SIMULATED)
     experts = Nf4Experts(nf4_view(buf, layout), torch.Size(shape), tile_bytes=4 * 16 * 256 * 2)
-    assert (experts.rows_per_tile(), experts.cols_per_slab()) == (8, 128)  # row tiles forward, slabs backward
+    assert experts.tiles() == (8, 128)  # row tiles forward, slabs backward
     accelerator.TRACE.clear()
     sorted_ids = torch.sort(torch.empty(40, dtype=torch.int64, device=accelerator.SIMULATED))[0]
     offsets = routed_offsets(sorted_ids, shape[0])

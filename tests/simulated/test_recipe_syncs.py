@@ -1,5 +1,7 @@
 """Every recipes/hardware recipe's training step has one host synchronization on the simulated GPU (its read of the
-loss and the norm), with the product's defaults and the recipe's own settings. The recipes run with 2 decoder
+loss and the norm, which carries the ranks' stop agreement too), with the product's defaults and the recipe's own
+settings, the Qwen3-30B-A3B MoE recipes included: the simulated GPU takes CUDA's branches (the MoE routing and NF4
+experts have no simulated-only path), so a sync in them is counted. The recipes run with 2 decoder
 layers (model.config pointed at a copy of theirs): the syncs of a step do not depend on its depth (asserted once at
 2 and 3 layers), and 2 layers keep each recipe a few seconds. The 128k recipe runs at 16,384 tokens for the same
 reason: its loops over the sequence (4 MLP chunks, hundreds of packed documents' attention calls) run the same code
@@ -16,6 +18,7 @@ from shardtune.config.load import load_recipe
 from shardtune.plan.planner import world_of
 from shardtune.plan.simulate import _simulated_world
 from tests.simulated.shallow import shallow_config
+from tests.simulated.test_step_syncs import stop_request
 
 RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes" / "hardware").glob("*.yaml"))
 STEP_READ = ("to_host", "shardtune.trainer.train:train_step")
@@ -26,7 +29,7 @@ def _step_syncs(name: str, tmp: Path, *, layers: int) -> list[list[tuple[str, st
 
     base = load_recipe(name)
     world, nodes = world_of(base)
-    with _simulated_world(world, nodes):
+    with _simulated_world(world, nodes), stop_request() as stop:
         seq = ["data.seq_len=16384"] if base.data.seq_len > 16384 else []
         recipe = load_recipe(name, [shallow_config(name, layers, tmp), "train.grad_accum=2",
                                     f"train.output_dir={tmp / 'run'}", *seq])
@@ -35,13 +38,14 @@ def _step_syncs(name: str, tmp: Path, *, layers: int) -> list[list[tuple[str, st
         steps = []
         for step in range(2):
             accelerator.TRACE.clear()
-            train_step(run, step, None)
+            train_step(run, step, None, stop)
             steps.append(accelerator.host_syncs())
         return steps
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_hardware_recipe_step_has_one_host_sync(name: str, tmp_path: Path) -> None:
+    assert any(n.startswith("qwen3-30b-a3b-qlora") for n in RECIPES)  # MoE + NF4 experts among them
     assert _step_syncs(name, tmp_path, layers=2) == [[STEP_READ], [STEP_READ]]
 
 

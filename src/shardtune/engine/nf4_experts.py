@@ -10,12 +10,11 @@ The tiles cut across the experts, never between them: forward, output rows [o0, 
 one grouped matmul over all of x's rows); backward, input columns [c0, c1) of every expert's rows (whole blocks,
 grad_x[:, c0:c1], a full-length dot product each). Cutting between experts (runs of whole experts) needs each run's
 rows, a read of `offsets` on the host: a GPU sync per projection, ~6 per MoE layer per micro-batch. Here no host
-ever reads `offsets`. A tile holds at most what `tile_bytes` of whole experts would (`experts_per_run`, the plan's
-buffer: plan/moe.py nf4_experts_bytes): one tile per projection when the layer's experts fit (the whole layer
+ever reads `offsets`. A tile holds at most what `tile_bytes` of whole experts would (`expert_tiles`, which the
+plan's plan/moe.py nf4_experts_bytes reads): one tile per projection when the layer's experts fit (the whole layer
 dequantized: c·E·a·b bytes), else several. The weight is frozen: backward computes only the input's gradient,
 re-dequantizing each tile (autograd saves the NF4 views, not a dequantized copy). Rows that split blocks (in not a
-multiple of 64) or a block column too big for the budget make the backward sum output-row tiles instead, in fp32
-(as nf4_linear.py does). The router, norms and adapters are not here: they stay in the compute dtype.
+multiple of 64, tiny test models) make the backward sum output-row tiles instead, in fp32 (as nf4_linear.py does). The router, norms and adapters are not here: they stay in the compute dtype.
 """
 from __future__ import annotations
 
@@ -41,31 +40,31 @@ class Nf4Experts:
         self.ndim = 3
         self.tile_bytes = tile_bytes
 
-    def experts_per_run(self) -> int:
-        """Whole experts `tile_bytes` hold (at least one): the budget of a tile, in experts."""
-        per_expert = self.shape[1] * self.shape[2] * self.dtype.itemsize
-        return max(1, min(self.shape[0], self.tile_bytes // per_expert if self.tile_bytes else self.shape[0]))
-
-    def rows_per_tile(self) -> int:
-        """Forward: output rows of every expert per tile, within the budget, a multiple of the rows that hold whole
-        blocks and of ROW_ALIGN (all of them when the budget is every expert)."""
-        e, a, b = self.shape
-        if self.experts_per_run() == e:
-            return a
-        step = max(BLOCK // _gcd(b, BLOCK), ROW_ALIGN)
-        return min(a, max(step, self.experts_per_run() * a // e // step * step))
-
-    def cols_per_slab(self) -> int:
-        """Backward: input columns of every expert's rows per slab (whole blocks, within the budget); 0 when a row
-        is not whole blocks or one block column of every row is over the budget."""
-        e, a, b = self.shape
-        cols = self.experts_per_run() * b // e // BLOCK * BLOCK
-        return 0 if b % BLOCK or cols < BLOCK else min(b, cols)
+    def tiles(self) -> tuple[int, int]:
+        return expert_tiles(tuple(self.shape), self.dtype.itemsize, self.tile_bytes)
 
     def grouped_linear(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x (S, in), rows sorted by expert, offsets (E,) int32 cumulative row counts (read on the device only) ->
         (S, out) = x·W[e]ᵀ per expert, in x's dtype."""
         return _GroupedNf4.apply(x, offsets, self)
+
+
+def expert_tiles(shape: tuple[int, int, int], elem: int, tile_bytes: int) -> tuple[int, int]:
+    """(rows, cols) of NF4 experts `shape` = (E, out, in) dequantized in `elem`-byte elements: forward tiles of
+    `rows` output rows of every expert, backward slabs of `cols` input columns of every expert's rows. Both hold at
+    most what `tile_bytes` of whole experts would (at least one expert; all of them when `tile_bytes` is 0): rows a
+    multiple of those that hold whole blocks and of ROW_ALIGN, at least one such group; cols whole blocks, at least
+    one (0 when a row is not whole blocks: the backward then sums row tiles). One tile, rows = out, when every
+    expert fits."""
+    e, a, b = shape
+    per_expert = a * b * elem
+    run = max(1, min(e, tile_bytes // per_expert if tile_bytes else e))
+    if run == e:
+        return a, 0
+    step = max(BLOCK // _gcd(b, BLOCK), ROW_ALIGN)
+    rows = min(a, max(step, run * a // e // step * step))
+    cols = 0 if b % BLOCK else min(b, max(BLOCK, run * b // e // BLOCK * BLOCK))
+    return rows, cols
 
 
 def dequantize_expert_rows(w: Nf4Experts, o0: int, o1: int, out: torch.Tensor, scalers: torch.Tensor) -> torch.Tensor:
@@ -83,13 +82,13 @@ def dequantize_expert_rows(w: Nf4Experts, o0: int, o1: int, out: torch.Tensor, s
 
 
 def _tile(w: Nf4Experts, o0: int, o1: int, scalers: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    buf = _buffer(w.shape[0] * w.rows_per_tile() * w.shape[2], w.dtype, w.matrix.device)
+    buf = _buffer(w.shape[0] * w.tiles()[0] * w.shape[2], w.dtype, w.matrix.device)
     return dequantize_expert_rows(w, o0, o1, buf, scalers).to(dtype)
 
 
 def _slab(w: Nf4Experts, c0: int, c1: int, scalers: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     e, a, _ = w.shape
-    buf = _buffer(e * a * w.cols_per_slab(), w.dtype, w.matrix.device)
+    buf = _buffer(e * a * w.tiles()[1], w.dtype, w.matrix.device)
     return dequantize_cols(w.matrix, c0, c1, buf, scalers).view(e, a, c1 - c0).to(dtype)
 
 
@@ -98,7 +97,7 @@ class _GroupedNf4(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, offsets: torch.Tensor, w: Nf4Experts) -> torch.Tensor:
         ctx.save_for_backward(offsets)
         ctx.w = w  # views of the gathered NF4 bytes: nothing new kept alive
-        a, rows = w.shape[1], w.rows_per_tile()
+        a, rows = w.shape[1], w.tiles()[0]
         scalers = block_scalers(w.matrix)
         if rows == a:
             return grouped_mm(x, _tile(w, 0, a, scalers, x.dtype).transpose(-2, -1), offsets)
@@ -115,10 +114,9 @@ class _GroupedNf4(torch.autograd.Function):
         _, a, b = w.shape
         g = grad_y.contiguous()
         scalers = block_scalers(w.matrix)
-        rows = w.rows_per_tile()
+        rows, cols = w.tiles()
         if rows == a:
             return grouped_mm(g, _tile(w, 0, a, scalers, g.dtype), offsets), None, None
-        cols = w.cols_per_slab()
         if cols:  # column slabs: each writes its own columns of grad_x
             gx = torch.empty(g.shape[0], b, dtype=g.dtype, device=g.device)
             for c0 in range(0, b, cols):

@@ -23,13 +23,16 @@ class MoeDims:
 
 
 def nf4_experts_bytes(shape: tuple[int, int, int], c: int, tile: int) -> tuple[int, int]:
-    """(the reused tile buffer, the transient of one grouped matmul) for NF4 experts [E, a, b]: a run of experts
-    dequantized into the buffer (as many whole experts as `tile` bytes hold, at least one), its int32 code index
-    (2 B/weight of the run) and the whole weight's block scalers (c/64 B/weight)."""
+    """(the reused tile buffer, the transient of one grouped matmul) for NF4 experts [E, a, b]
+    (engine/nf4_experts.py): the larger of a forward tile (rows of every expert) and a backward slab (columns of every
+    expert's rows), each within what `tile` bytes of whole experts hold, dequantized into the buffer; its int32 code
+    index (2 B/weight of the tile) and the whole weight's block scalers (c/64 B/weight)."""
+    from shardtune.engine.nf4_experts import expert_tiles
+
     e, a, b = shape
-    per_expert = a * b * c
-    run = max(1, min(e, tile // per_expert if tile else e))
-    return run * per_expert, run * a * b * 2 + e * a * b // 64 * c
+    rows, cols = expert_tiles(shape, c, tile)
+    weights = max(e * rows * b, e * a * cols)
+    return weights * c, weights * 2 + e * a * b // 64 * c
 
 
 def routing_bytes(moe: MoeDims, hidden: int, tokens: int, c: int, *, lora: bool, adapter_numel: int = 0) -> int:

@@ -17,9 +17,9 @@ from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, matrix_shape, scaler_b
 
 # (shape [E, out, in], tile_bytes, (rows per forward tile, columns per backward slab)):
 @pytest.mark.parametrize("shape,tile_bytes,tiles", [
-    ((8, 64, 32), 1 << 20, (64, 0)),  # every expert in one tile: the whole layer at once
+    ((8, 64, 32), 1 << 20, (64, 0)),  # every expert in one tile: the whole layer at once, forward and backward
     ((8, 64, 32), 64 * 32 * 4, (8, 0)),  # a budget of one expert: row tiles; rows split blocks: fp32 sum in backward
-    ((8, 64, 128), 2 * 64 * 128 * 4, (16, 0)),  # two experts' budget: row tiles; one block column is over it
+    ((8, 64, 128), 2 * 64 * 128 * 4, (16, 64)),  # two experts' budget: row tiles; one block column at least
     ((8, 16, 256), 4 * 16 * 256 * 4, (8, 128)),  # four experts': row tiles forward, column slabs backward
 ])
 def test_grouped_nf4_equals_per_expert_loop(shape, tile_bytes, tiles, monkeypatch):
@@ -28,7 +28,7 @@ def test_grouped_nf4_equals_per_expert_loop(shape, tile_bytes, tiles, monkeypatc
     layout = Nf4Layout.of(torch.Size(shape), torch.float32)
     buf = quantize(lambda a, m: w.reshape(-1)[a:a + m], layout, torch.device("cpu"))
     experts = Nf4Experts(nf4_view(buf, layout), torch.Size(shape), tile_bytes=tile_bytes)
-    assert (experts.rows_per_tile(), experts.cols_per_slab()) == tiles
+    assert experts.tiles() == tiles
     ref_w = to_nf4(w.reshape(-1, shape[2]), BLOCK, scaler_block(w.numel())).get_original_weight().view(shape)
     counts = torch.tensor([3, 0, 5, 1, 0, 7, 2, 4])  # an expert with no tokens, too
     offsets = counts.cumsum(0).to(torch.int32)
