@@ -2,15 +2,15 @@
 compute dtype, with the fewest kernels (the launches a host-bound step scales with).
 
 peft's `lora.Linear` runs `base(x)` and then `(result + lora_B(lora_A(dropout(x.to(fp32)))) * scaling).to(dtype)`:
-7 kernels forward (two activation-sized casts, a scale, an fp32 sum) and ~13 backward, and it saves an fp32 copy of
+7 kernels forward (two activation-sized casts, a scale, an fp32 sum) and 10 backward, and it saves an fp32 copy of
 the input per adapted module (q, k and v each keep their own). `LoraLinearFunction` computes
 
   forward   y = x W^T (+ bias);  u = x_a A^T;  y += scaling · u B^T          (x_a = dropout(x), else x)
   backward  gu = g B;  grad_x = g W + scaling · gu A;  grad_B = scaling · g^T u;  grad_A = scaling · gu^T x_a
 
-with A and B cast to the input's dtype (the compute dtype: the frozen base's, bf16 in a bf16 run; no cast in fp32):
-5 kernels forward (the two r-wide casts, two matmuls, one addmm), 7 backward (four matmuls, the two adapter
-gradients' casts back to fp32 by autograd). Each scaling rides in an addmm's alpha, never a kernel of its own. It
+with A and B cast to the input's dtype (the compute dtype: the frozen base's, bf16 in a bf16 run; no cast in fp32)
+once per optimizer step (`compute_adapters`): 3 kernels forward (two matmuls, one addmm), 7 backward (four
+matmuls, the two adapter gradients' casts back to fp32 by autograd). Each scaling rides in an addmm's alpha, never a kernel of its own. It
 saves the input as given (shared by every module reading it), u (b·s x r) and the r-wide casts; no gradient for
 the frozen weight. In fp32 the arithmetic is peft's (the same products; sums in another order: equal to fp32
 rounding). In bf16 the adapter runs in bf16 like FSDP2's (which casts the adapters with every parameter), where
@@ -36,11 +36,13 @@ ADAPTER = "default"
 class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                b: torch.Tensor, scaling: float, x_adapter: torch.Tensor | None) -> torch.Tensor:
+                b: torch.Tensor, scaling: float, x_adapter: torch.Tensor | None, ac: torch.Tensor,
+                bc: torch.Tensor) -> torch.Tensor:
+        """`a` (r, in), `b` (out, r): the adapters (for their gradients); `ac`, `bc`: them in x's dtype (the same
+        tensors when they are in it already; else copies that `compute_adapters` keeps for the whole step)."""
         in_f, out_f = weight.shape[1], weight.shape[0]
         x2 = x.reshape(-1, in_f)
         xa2 = x2 if x_adapter is None else x_adapter.reshape(-1, in_f)
-        ac, bc = a.to(x.dtype), b.to(x.dtype)  # (r, in), (out, r): no kernel when the adapters are in x's dtype
         # Allocated in the output's shape and returned as is (not a view): a reader may write it in place
         # (chunked_lora.LoraDelta, when a module routes around this class, does so with the base's output).
         out = torch.empty(*x.shape[:-1], out_f, dtype=x.dtype, device=x.device)
@@ -51,7 +53,7 @@ class LoraLinearFunction(torch.autograd.Function):
             torch.addmm(bias, x2, weight.t(), out=y)
         u = xa2 @ ac.t()  # (tokens, r)
         y.addmm_(u, bc.t(), alpha=scaling)
-        need_x, need_w, _, need_a, need_b, _, need_xa = ctx.needs_input_grad
+        need_x, need_w, _, need_a, need_b, _, need_xa = ctx.needs_input_grad[:7]
         ctx.save_for_backward(weight if need_x else None, x2 if need_w else None,
                               xa2 if need_a else None, u if need_b else None, ac, bc)
         ctx.scaling, ctx.x_shape, ctx.has_x_adapter = scaling, x.shape, x_adapter is not None
@@ -60,7 +62,7 @@ class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         weight, x2, xa2, u, ac, bc = ctx.saved_tensors
-        need_x, need_w, need_bias, need_a, need_b, _, need_xa = ctx.needs_input_grad
+        need_x, need_w, need_bias, need_a, need_b, _, need_xa = ctx.needs_input_grad[:7]
         s = ctx.scaling
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_bias = grad_a = grad_b = grad_xa = None
@@ -80,7 +82,7 @@ class LoraLinearFunction(torch.autograd.Function):
             grad_w = g.t() @ x2
         if need_bias:
             grad_bias = g.sum(0)
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, grad_xa
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, grad_xa, None, None
 
 
 def _no_input(like: torch.Tensor) -> torch.Tensor:
@@ -107,8 +109,30 @@ def _forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
         return _peft_forward(self)(x, *args, **kwargs)
     drop = self.lora_dropout[ADAPTER]
     x_adapter = drop(x) if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0 else None
-    return LoraLinearFunction.apply(x, weight, base.bias, self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight,
-                                    float(self.scaling[ADAPTER]), x_adapter)
+    a, b = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
+    return LoraLinearFunction.apply(x, weight, base.bias, a, b, float(self.scaling[ADAPTER]), x_adapter,
+                                    *compute_adapters(self, a, b, x.dtype))
+
+
+def compute_adapters(layer: nn.Module, a: torch.Tensor, b: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B in the compute dtype, cast once per optimizer step rather than in every forward and recompute (two
+    kernels each time: 4 per micro-batch under checkpointing). The copies are kept while A and B are unchanged: the
+    same storages (held here, so none can be freed and its address reused) at the same versions (every in-place
+    write, the optimizer's included, bumps a tensor's version). r·(in + out) elements in the compute dtype."""
+    if a.dtype == dtype and b.dtype == dtype:
+        return a, b
+    key = (a.untyped_storage(), a._version, b.untyped_storage(), b._version, dtype)
+    held = layer.__dict__.get("_compute_adapters")
+    if held is None or not _same(held[0], key):
+        with torch.no_grad():
+            held = layer.__dict__["_compute_adapters"] = (key, a.detach().to(dtype), b.detach().to(dtype))
+    return held[1], held[2]
+
+
+def _same(held: tuple[Any, ...], key: tuple[Any, ...]) -> bool:
+    return (held[0]._cdata == key[0]._cdata and held[1] == key[1] and held[2]._cdata == key[2]._cdata
+            and held[3] == key[3] and held[4] == key[4])
 
 
 @functools.cache
