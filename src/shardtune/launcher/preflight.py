@@ -12,7 +12,6 @@ Cost, paid in the launcher before torchrun starts the workers: first a torch-fre
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from shardtune.config.load import to_recipe
 from shardtune.config.schema import Recipe
 from shardtune.errors import UserError
+from shardtune.plan.hardware import host_ram_bytes  # torch-free; `plan` reads host RAM with the same function
 
 GiB = 1 << 30
 
@@ -49,21 +49,6 @@ def judged_host_ram(claimed_gb: float | None, present: int | None, *, trusted: b
         return present, (f"the recipe's hardware.host_ram_gb={claimed_gb:g} is more than the {present / GiB:.1f} GiB "
                          f"present: judged on what is present")
     return claimed, ""
-
-
-def host_ram_bytes() -> int | None:
-    """MemTotal from /proc/meminfo (Linux), else the physical page count (POSIX); no psutil."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def detect_gpu() -> tuple[str, int] | None:
@@ -194,6 +179,10 @@ def preflight(cfg: DictConfig, recipe: Recipe, nproc: int, *, refuse: bool, fit:
         return cfg, 0  # the first node's launcher prints the job's one pre-flight line
     print(f"pre-flight ({where}): {summary_line(plan)}{_note(found)}", flush=True)
     if plan.fits:
+        from shardtune.plan.headroom import headroom_advice  # --fit's choice has no advice of its own
+
+        for a in plan.advice or headroom_advice(plan):  # under 3 % of headroom: launched, with the knob to turn
+            print(f"  advice: {a}", file=sys.stderr)
         return cfg, 0
     for a in plan.advice:
         print(f"  advice: {a}", file=sys.stderr)

@@ -1,12 +1,18 @@
 """Hardware profiles (`configs/hardware/*.yaml`): capacity, throughput and link bandwidths that `plan` checks against."""
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import yaml
 
 from shardtune.bundled import CONFIGS_DIR
 from shardtune.errors import UserError
+
+if TYPE_CHECKING:
+    from shardtune.config.schema import Recipe
 
 HARDWARE_DIR = CONFIGS_DIR / "hardware"
 GB = 1e9
@@ -34,6 +40,31 @@ class HardwareProfile:
     @property
     def is_cpu(self) -> bool:
         return self.key == "cpu"
+
+
+def host_ram_bytes() -> int | None:
+    """MemTotal from /proc/meminfo (Linux), else the physical page count (POSIX); no psutil. What a CPU recipe is
+    checked against when hardware.host_ram_gb is not set, by `plan` and by train's pre-flight."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def planned_profile(recipe: Recipe) -> HardwareProfile:
+    """What `plan` checks a recipe against: its `hardware.gpu` profile; a CPU recipe (launch.device=cpu) runs in host
+    memory: the `cpu` profile holding the RAM present, as train's pre-flight reads it (hardware.host_ram_gb, when
+    set, is the node's RAM instead: Plan.capacity)."""
+    profile = load_profile("cpu" if recipe.launch.device == "cpu" else recipe.hardware.gpu)
+    present = host_ram_bytes() if profile.is_cpu else None
+    return dataclasses.replace(profile, memory_bytes=present) if present else profile
 
 
 def list_profiles() -> list[str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe, check_world
 from shardtune.plan.estimate import Setup, estimate
-from shardtune.plan.hardware import GiB, HardwareProfile, load_profile
+from shardtune.plan.hardware import GiB, HardwareProfile, planned_profile
+from shardtune.plan.headroom import headroom_advice
 from shardtune.plan.result import Plan, quantized_summary, variant
 from shardtune.plan.search import advice
 from shardtune.plan.stats import ModelStats
@@ -23,17 +24,18 @@ def world_of(recipe: Recipe) -> tuple[int, int]:
 
 def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup | None = None,
                 with_advice: bool = True, hardware: HardwareProfile | None = None) -> Plan:
-    """`hardware`: a detected card (train's pre-flight) instead of the `hardware.gpu` profile."""
+    """`hardware`: a detected card (train's pre-flight) instead of the recipe's profile (plan/hardware.py
+    planned_profile: `hardware.gpu`, or host memory for a CPU recipe)."""
     stats = stats or ModelStats(recipe)
-    hw = hardware or load_profile(recipe.hardware.gpu)
+    hw = hardware or planned_profile(recipe)
     if setup is None:
         world, nodes = world_of(recipe)
         setup = Setup.from_recipe(recipe, world=world, nodes=nodes,
                                   device_is_cpu=hw.is_cpu or recipe.launch.device == "cpu")
     check_world(recipe, setup.world)
     plan = Plan(recipe, stats, setup, estimate(stats, setup), hw)
-    if with_advice and not plan.fits:
-        plan.advice = advice(plan)
+    if with_advice:  # what makes it fit, or (plan/headroom.py) what gives it 3 % of room when it fits by less
+        plan.advice = headroom_advice(plan) if plan.fits else advice(plan)
     return plan
 
 

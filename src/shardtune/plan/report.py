@@ -24,7 +24,8 @@ def summary_line(plan: Plan) -> str:
     e = plan.estimate
     verdict = "fits" if plan.fits else "does NOT fit"
     return (f"{verdict}: peak {e.total / GiB:.2f} GiB/rank ({e.peak_phase}) vs {plan.usable / GiB:.2f} GiB usable "
-            f"of {plan.capacity / GiB:.2f} GiB {plan.hardware.key}; host {e.host_bytes / GiB:.1f} GiB/node")
+            f"of {plan.capacity / GiB:.2f} GiB {plan.checks_against if plan.hardware.is_cpu else plan.hardware.key}; "
+            f"host {e.host_bytes / GiB:.1f} GiB/node")
 
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
@@ -58,9 +59,10 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         table.add_row(LABELS[k], _gib(b), f"{b / plan.capacity:.1%}")
     table.add_section()
     table.add_row("[bold]total (peak)[/]", f"[bold]{_gib(e.total)}[/]", f"{e.total / plan.capacity:.1%}")
-    table.add_row("usable (capacity less CUDA context and allocator slack)", _gib(plan.usable),
+    table.add_row("usable (all of it: no CUDA context on the host)" if plan.hardware.is_cpu else
+                  "usable (capacity less CUDA context and allocator slack)", _gib(plan.usable),
                   f"{plan.usable / plan.capacity:.1%}")
-    table.add_row(f"capacity ({plan.hardware.name})", _gib(plan.capacity), "100.0%")
+    table.add_row(f"capacity ({plan.checks_against})", _gib(plan.capacity), "100.0%")
     table.add_row("headroom", _gib(plan.headroom), f"{plan.headroom / plan.capacity:.1%}")
     if s.offload or e.host_bytes:
         ram = plan.recipe.hardware.host_ram_gb
@@ -76,6 +78,15 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
 
 
 def write_png(plan: Plan, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plan_figure(plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plan_figure(plan: Plan):  # -> matplotlib.figure.Figure (matplotlib loads only for --png)
     """Stacked bars: one per phase of the step, categories stacked, capacity and usable as lines."""
     import matplotlib
 
@@ -93,14 +104,16 @@ def write_png(plan: Plan, path: Path) -> None:
     ax.axhline(plan.capacity / GiB, color="black", linestyle="-", label=f"capacity {plan.capacity / GiB:.1f} GiB")
     ax.axhline(plan.usable / GiB, color="red", linestyle="--", label=f"usable {plan.usable / GiB:.1f} GiB")
     ax.set_ylabel("GiB per rank")
+    where = (f"in {plan.checks_against}" if plan.hardware.is_cpu else
+             f"on {plan.setup.world} x {plan.hardware.key}")
     ax.set_title(f"{Path(plan.recipe.model.config or plan.recipe.model.path or '').stem}: "
-                 f"{'fits' if plan.fits else 'does not fit'} on {plan.setup.world} x {plan.hardware.key}", fontsize=10)
+                 f"{'fits' if plan.fits else 'does not fit'} {where}", fontsize=10)
+    # nine or ten phase names side by side overlap on one line: one line per part of a name
+    ax.set_xticks(range(len(names)), [n.replace("-", "-\n") for n in names])
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def dpo_line(r) -> str:

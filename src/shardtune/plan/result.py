@@ -23,10 +23,25 @@ class Plan:
     @property
     def capacity(self) -> int:
         if self.hardware.is_cpu:
-            ram = self.recipe.hardware.host_ram_gb
-            total = int(ram * GiB) if ram else self.hardware.memory_bytes
-            return total // max(1, self.setup.world // self.setup.nodes)  # workers of a node share its RAM
+            return self._node_ram // self._workers_per_node  # workers of a node share its RAM
         return self.hardware.memory_bytes
+
+    @property
+    def _node_ram(self) -> int:
+        ram = self.recipe.hardware.host_ram_gb
+        return int(ram * GiB) if ram else self.hardware.memory_bytes
+
+    @property
+    def _workers_per_node(self) -> int:
+        return max(1, self.setup.world // self.setup.nodes)
+
+    @property
+    def checks_against(self) -> str:
+        """What the capacity is, in words: the GPU profile's name, or a worker's share of the host memory."""
+        if not self.hardware.is_cpu:
+            return self.hardware.name
+        n = self._workers_per_node
+        return f"host memory, {self._node_ram / GiB:.1f} GiB per node / {n} worker{'s' if n > 1 else ''}"
 
     @property
     def usable(self) -> int:
@@ -63,6 +78,7 @@ class Plan:
                      else None},
             "hardware": self.hardware.key,
             "capacity_bytes": self.capacity,
+            "capacity_of": self.checks_against,
             "usable_bytes": self.usable,
             "headroom_bytes": self.headroom,
             "fits": self.fits,
