@@ -1,5 +1,5 @@
 """engine.mlp_chunk_tokens on a LoRA model (tiled_mlp.apply_sequence_chunking: MLP, norms, adapter branches through
-chunked_lora.LoraDelta), one process: the same loss as peft's path (bit for bit: the same elementwise operations) and
+chunked_lora.LoraDelta), one process: the same loss as peft's own path (bit for bit: the same elementwise operations) and
 gradients within 1e-5, in fp32 and with a bf16 base (fp32 adapters: peft's casts), under activation checkpointing;
 and no fp32 tensor as wide as the hidden size and as long as the whole sequence is ever created."""
 from __future__ import annotations
@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from peft.tuners.lora import Linear as PeftLoraLinear
 
 from shardtune.config.schema import LoraConfig, ModelConfig
 from shardtune.engine.checkpointing import apply_activation_checkpointing
@@ -48,10 +50,14 @@ class _WholeFp32(TorchDispatchMode):
         return out
 
 
-def _run(chunk: int, base_dtype: torch.dtype):
+def _run(chunk: int, base_dtype: torch.dtype, *, peft_forward: bool = True):
     torch.manual_seed(0)
     model = build_model(ModelConfig(config="configs/models/tiny-llama.json"), seed=0)
     apply_lora(model, LoraConfig(enabled=True, r=8, target_modules=TARGETS))
+    if peft_forward:  # peft's own forward, not model/lora_linear.py's (which runs the adapters in the compute dtype)
+        for m in model.modules():
+            if isinstance(m, PeftLoraLinear):
+                m.__class__ = PeftLoraLinear
     for n, p in model.named_parameters():
         if "lora_B" in n:  # peft starts B at zero: a non-zero B makes the adapters' path count
             torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(n)))
@@ -85,3 +91,12 @@ def test_chunked_adapters_match_peft_with_no_whole_fp32_copy(base_dtype):
     if base_dtype == torch.bfloat16:  # (in fp32 every activation is fp32)
         assert whole > 0  # peft's path casts whole inputs to fp32, the norms upcast them
         assert whole_c == 0, whole_c
+
+
+def test_chunked_adapters_match_the_fused_lora_linear_in_fp32():
+    """Without chunking the adapters run through model/lora_linear.py: in fp32 the same sums in another order."""
+    loss, grads, _ = _run(0, torch.float32, peft_forward=False)
+    loss_c, grads_c, _ = _run(CHUNK, torch.float32, peft_forward=False)
+    torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=0)
+    for name in grads:
+        assert (grads_c[name] - grads[name]).abs().max() <= 1e-5 * grads[name].abs().max(), name
