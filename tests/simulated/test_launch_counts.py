@@ -82,13 +82,14 @@ def test_counts_are_deterministic(sims: list[dict]) -> None:
 
 
 def test_grad_accum_doubles_the_micro_steps_launches(sims: list[dict]) -> None:
-    """Two micro-steps: forward, recompute and backward twice (within the gradient sync the first one skips); the
+    """Two micro-steps: forward, recompute and backward about twice (the gradient sync the first one skips; the
+    forward work once per step, as the root unit's gather, is counted in the first micro-step's forward); the
     optimizer's once (and the next step's batch copies, one more micro-batch); FLOPs twice (the attention's
     differ with each micro-batch's documents)."""
     one, two = sims[0]["launches"], sims[2]["launches"]
-    for phase in ("forward", "recompute", "backward"):
-        assert 1.9 <= two["by_phase"][phase] / one["by_phase"][phase] <= 2.1, (phase, one, two)
-    assert one["by_phase"]["optimizer"] <= two["by_phase"]["optimizer"] <= 1.1 * one["by_phase"]["optimizer"]
+    for phase, low in (("forward", 1.75), ("recompute", 1.9), ("backward", 1.9)):
+        assert low <= two["by_phase"][phase] / one["by_phase"][phase] <= 2.1, (phase, one, two)
+    assert 0 <= two["by_phase"]["optimizer"] - one["by_phase"]["optimizer"] <= 8  # a micro-batch's tensors copied
     assert two["flops_bf16"] == pytest.approx(2 * one["flops_bf16"], rel=0.01)  # attention: its own documents
 
 
@@ -100,3 +101,23 @@ def test_plan_simulate_prints_the_verdict() -> None:
                      re.M), out.stdout
     assert re.search(r"^(host|GPU)-bound on rtx4090-24gb: host [\d.]+ s \(launches x \d+ us\) vs GPU [\d.]+ s per "
                      r"step \(roofline\), host/GPU [\d.]+; ~[\d,]+ tokens/s$", out.stdout, re.M), out.stdout
+
+
+def test_fit_ranks_by_the_slower_of_host_and_gpu(sims: list[dict]) -> None:
+    """plan --fit's step time (plan/search.py) without a simulated step: the analytic launch estimate x the host's
+    time per launch against the GPU's time; a host-bound step takes the host's. The estimate is of the simulated
+    count's order on this tiny model (its constants are the 1.24B Llama's: RESULTS "Kernel launches per step"), and
+    grows with the micro-steps."""
+    from shardtune.plan import make_plan
+    from shardtune.plan.roofline import HOST_S_PER_LAUNCH, estimated_launches
+    from shardtune.plan.search import step_time
+
+    plans = [make_plan("tiny-lora-cpu", [*TINY, f"train.grad_accum={ga}"]) for ga in (1, 2)]
+    one, two = (estimated_launches(p) for p in plans)
+    assert 1.9 <= two / one <= 2.1
+    assert 0.6 <= one / sims[0]["launches"]["total"] <= 1.5, (one, sims[0]["launches"]["total"])
+    t = step_time(plans[0])
+    assert t["host_s"] == pytest.approx(one * HOST_S_PER_LAUNCH)
+    assert t["step_s"] == max(t["gpu_s"], t["host_s"]) == t["host_s"]  # a tiny model: host-bound
+    tokens = plans[0].setup.micro_batch * plans[0].setup.seq_len * plans[0].setup.world
+    assert t["tokens_per_s"] == pytest.approx(tokens / t["host_s"])

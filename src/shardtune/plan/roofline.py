@@ -98,3 +98,50 @@ def step_time(hw: HardwareProfile, counts: dict[str, Any], *, tokens: int, link_
     gpu = gpu_seconds(hw, flops_bf16=counts["flops_bf16"], flops_fp32=counts["flops_fp32"],
                       device_bytes=counts["device_bytes"], link_bytes=counts["link_bytes"], link_gbps=link_gbps)
     return StepTime(gpu_s=gpu, host_s=counts["total"] * HOST_S_PER_LAUNCH, tokens=tokens, card=hw.key)
+
+
+# -- the analytic launch estimate (plan, plan --fit: no simulated step) -------------------------------------------
+# Launches per decoder layer per micro-step, (forward, recompute, backward), counted on the simulated GPU for the
+# 1.24B Llama at 2,048 tokens (the difference between its 8- and 16-layer twins; bench/launch_counts.py,
+# RESULTS "Kernel launches per step"): the full fine-tuning layer, what each LoRA-adapted Linear adds, what each NF4
+# tile adds (engine/nf4_linear.py: one tile per weight at that size). Counted at one commit: the code that issues
+# them changes (fewer launches is issue 58's next work), so these are re-measured with it, and --simulate counts.
+LAYER_LAUNCHES = (40, 35, 77)
+ADAPTER_LAUNCHES = (4, -1, 9)  # per adapted Linear (its recompute runs as part of the frozen base's)
+TILE_LAUNCHES = (8, 5, 11)  # per NF4 tile of a layer's weights
+FIXED_LAUNCHES = {False: 230, True: 70}  # per micro-step outside the layers (embedding, head, loss), by LoRA
+OPTIMIZER_LAUNCHES = {False: 2, True: 2}  # per layer per step (full: one flat buffer; LoRA: per adapter tensor / 7)
+FSDP2_FACTOR = 1.23  # FSDP2's layer against ours (LoRA: 288 against 235 launches a layer a micro-step)
+
+
+def estimated_launches(plan: Any) -> int:
+    """Kernel launches per optimizer step from the recipe's shape (the constants above): per micro-step, each layer's
+    forward and backward, its recompute under checkpointing (every k-th layer for an int k), and the NF4 tiles;
+    then the optimizer. Collectives: one per gathered unit and pass, one reduce-scatter per trainable unit."""
+    import math
+
+    from shardtune.plan.estimate import linear_targets
+
+    s, layers = plan.setup, plan.stats.dims.num_layers
+    adapted = len(linear_targets(plan.stats)) if s.lora else 0
+    tiles = 0
+    if s.nf4:
+        per_tile = s.nf4_tile_bytes or 1 << 62  # torchao: the whole weight at once
+        weights = [shape for u in plan.estimate.units for _, shape in u.quantized_weights]
+        tiles = sum(math.ceil(math.prod(w) * s.compute.itemsize / per_tile) for w in weights) // max(1, layers)
+    recompute = 0.0 if s.checkpointing is False else 1.0 / (1 if s.checkpointing is True else int(s.checkpointing))
+    passes = (1.0, recompute, 1.0)
+    layer = sum(p * (base + adapted * a + tiles * t)
+                for p, base, a, t in zip(passes, LAYER_LAUNCHES, ADAPTER_LAUNCHES, TILE_LAUNCHES, strict=True))
+    if s.backend == "torch":
+        layer *= FSDP2_FACTOR
+    micro = layers * layer + FIXED_LAUNCHES[s.lora]
+    units = len(plan.estimate.units)
+    gathers = (2 if s.strategy in ("full_shard", "hybrid_shard") else 1) if s.shard_size > 1 else 0
+    comm = units * gathers + (units if not s.lora and s.world > 1 else 0)
+    return int(s.grad_accum * (micro + comm) + layers * OPTIMIZER_LAUNCHES[s.lora] + 1)
+
+
+def estimated_host_s(plan: Any) -> float:
+    """Host seconds per optimizer step: estimated launches x HOST_S_PER_LAUNCH."""
+    return estimated_launches(plan) * HOST_S_PER_LAUNCH

@@ -18,7 +18,10 @@ Step-time model (an estimate for ranking, not a benchmark):
             Tiled (engine.nf4_tile_mb, engine/nf4_linear.py): codes read (0.5 B), int32 index written and read
             (2 B each way), the tile written by the lookup, read and written by the scaling, read by the matmul
             (4·c): ~4.5 + 4·c bytes per weight per pass.
-  step      max(compute, comm) + offload with prefetch on (comm overlaps compute), compute + comm + offload off.
+  host      kernel launches per step (plan/roofline.py estimated_launches: per layer, adapter, NF4 tile and
+            micro-step, counted on the simulated GPU) x the host's time per launch (calibrated on an H200 run).
+  step      max(compute, comm) + offload with prefetch on (comm overlaps compute), compute + comm + offload off;
+            then the larger of that and the host's time: a host-bound step takes the host's.
             engine.backward_schedule=staggered adds what its backward exposes: each unit's reduction and gather
             overlap half of the unit's backward each (overlap: both share the whole of it), and the first unit's
             reduction runs alone.
@@ -35,6 +38,7 @@ from shardtune.plan.estimate import Setup, estimate
 from shardtune.plan.hardware import GiB
 from shardtune.plan.long_context import long_context_options
 from shardtune.plan.result import Plan, variant
+from shardtune.plan.roofline import estimated_host_s
 from shardtune.plan.same_run import canonical, distinct
 
 MFU = 0.4
@@ -99,10 +103,14 @@ def step_time(plan: Plan) -> dict[str, float]:
     per_weight = 4.5 + 4 * c if s.nf4_tile_bytes else 2 * (8 + 3 * c)
     dequant = passes * s.grad_accum * nf4_weights * per_weight / (hw.memory_gbps * 1e9)
     compute += dequant
-    total = (max(compute, comm) + _staggered_exposure(s, e, compute, comm) if s.prefetch
-             else compute + comm) + offload
-    return {"compute_s": compute, "comm_s": comm, "offload_s": offload, "dequant_s": dequant, "step_s": total,
-            "tokens_per_s": tokens * s.world / total if total else 0.0}
+    gpu = (max(compute, comm) + _staggered_exposure(s, e, compute, comm) if s.prefetch
+           else compute + comm) + offload
+    # The host issues the step's kernels one by one: a step whose launches take longer than its GPU time waits on
+    # the host (plan/roofline.py's analytic launch estimate; `plan --simulate` counts them). No GPU on a CPU run.
+    host = 0.0 if s.device_is_cpu else estimated_host_s(plan)
+    total = max(gpu, host)
+    return {"compute_s": compute, "comm_s": comm, "offload_s": offload, "dequant_s": dequant, "gpu_s": gpu,
+            "host_s": host, "step_s": total, "tokens_per_s": tokens * s.world / total if total else 0.0}
 
 
 def _staggered_exposure(s, e, compute: float, comm: float) -> float:
