@@ -28,6 +28,19 @@ def summary_line(plan: Plan) -> str:
             f"host {e.host_bytes / GiB:.1f} GiB/node")
 
 
+def speed_line(plan: Plan) -> str:
+    """What a GPU would wait on, estimated without a simulated step (plan/search.py step_time: the GPU's time and
+    the host's, estimated kernel launches x the time per launch); `plan --simulate` counts the launches."""
+    from shardtune.plan.roofline import HOST_S_PER_LAUNCH, estimated_launches
+    from shardtune.plan.search import step_time
+
+    t = step_time(plan)
+    bound = "host-bound" if t["host_s"] > t["gpu_s"] else "GPU-bound"
+    return (f"{bound} (estimated, --simulate counts): host {t['host_s']:.2f} s (~{estimated_launches(plan):,} "
+            f"launches x {HOST_S_PER_LAUNCH * 1e6:.0f} us) vs GPU {t['gpu_s']:.2f} s per step; "
+            f"~{t['tokens_per_s']:,.0f} tokens/s")
+
+
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     e, s = plan.estimate, plan.setup
@@ -73,6 +86,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console.print(f"phases (GiB): {phases}")
     style = "green" if plan.fits else "red"
     console.print(f"[{style}]{summary_line(plan)}[/]")
+    if not plan.setup.device_is_cpu:
+        console.print(speed_line(plan), soft_wrap=True)
     for a in plan.advice:
         console.print(f"  advice: {a}")
 
