@@ -64,14 +64,20 @@ def _check(use: str) -> None:
         want = torch.zeros(VOCAB, HIDDEN, dtype=torch.float64)
         want[FREQUENT] = sum(x.double().sum(0) for x in per_rank)
     else:  # the head's chunked loss, one token per chunk: one contribution per chunk to each local row
+        mine.requires_grad_(use == "head-hidden")
         table.cross_entropy(mine, ids, chunk_tokens=1).backward()
         w = master.to(torch.bfloat16).double()
         want = torch.zeros(VOCAB, HIDDEN, dtype=torch.float64)
         for x in per_rank:
             d = torch.softmax(x.double() @ w.t(), -1) - nn.functional.one_hot(ids, VOCAB).double()
             want += d.to(torch.bfloat16).double().t() @ x.double()
+        if use == "head-hidden":  # the hidden states' gradient: summed over the ranks' rows in fp32 (reduce_dtype)
+            d = torch.softmax(mine.double() @ w.t(), -1) - nn.functional.one_hot(ids, VOCAB).double()
+            want_h = d @ w
+            assert mine.grad.dtype == torch.bfloat16
+            assert float((mine.grad.double() - want_h).abs().max() / want_h.abs().max()) < 2 ** -7
     assert _relative_error(_local_grad(table), want, table) < 2 ** -7
 
 
 def test_vocab_tables_accumulate_in_fp32():
-    run_distributed(_check, 2, [{"use": "embedding"}, {"use": "head"}])
+    run_distributed(_check, 2, [{"use": "embedding"}, {"use": "head"}, {"use": "head-hidden"}])

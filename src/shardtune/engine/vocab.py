@@ -129,18 +129,31 @@ class VocabTable:
         all_gather_into(out.view(-1), x.contiguous().view(-1), self.group, self.counter, label="vocab")
         return out
 
-    def scatter_sum(self, full: torch.Tensor, *, gradient: bool = False) -> torch.Tensor:
+    def scatter_sum(self, full: torch.Tensor, *, gradient: bool = False,
+                    scratch: torch.Tensor | None = None) -> torch.Tensor:
         """(W·n_max, H) partial sums on each rank -> (n_max, H): this rank's rows of the sum over ranks. A `gradient`
-        is summed in the reduce dtype, as every gradient sum of the engine: cast up before the collective, back after
-        (the copies are transient: what stays, until the backward scales it, is in `full`'s dtype, as the plan counts
-        it). The embedding's sum is exact in any dtype (one rank's value plus zeros) and stays in its own."""
-        dtype = full.dtype
-        if gradient:
-            full = full.to(self.reduce_dtype)
-        out = full.new_empty((full.shape[0] // self.world, *full.shape[1:]))
-        reduce_scatter_into(out.view(-1), full.view(-1), self.group, self.counter, full_is_scratch=True,
-                            label="vocab")
-        return out.to(dtype)
+        in a narrower dtype than engine.reduce_dtype is summed in the reduce dtype, as every gradient sum of the
+        engine: cast up before the collective, back after. It goes in blocks of every rank's rows (`reduce_blocks`),
+        each copy no larger than `full`, written into `scratch` (a buffer the caller is done with, the gathered
+        hidden states) when it is large enough: one fp32 copy of a W·b·s·H bf16 gradient was +0.22 GiB at the
+        peak of an 8-GPU Llama-3.1-8B run (plan --simulate). The embedding's sum is exact in any dtype (one
+        rank's value plus zeros) and stays in its own."""
+        n_max = full.shape[0] // self.world
+        out = full.new_empty((n_max, *full.shape[1:]))
+        if not gradient or full.dtype == self.reduce_dtype:
+            reduce_scatter_into(out.view(-1), full.view(-1), self.group, self.counter, full_is_scratch=True,
+                                label="vocab")
+            return out
+        parts = full.view(self.world, n_max, *full.shape[1:])
+        rows = max(1, n_max // reduce_blocks(full.dtype, self.reduce_dtype))  # each block's copy fits `scratch`
+        for a in range(0, n_max, rows):
+            block = parts[:, a:a + rows]
+            up = _buffer(scratch, block.shape, self.reduce_dtype, full.device).copy_(block)
+            summed = up.new_empty(up.shape[1:])
+            reduce_scatter_into(summed.view(-1), up.view(-1), self.group, self.counter, full_is_scratch=True,
+                                label="vocab")
+            out[a:a + rows].copy_(summed)
+        return out
 
     # -- the three uses -----------------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -155,6 +168,19 @@ class VocabTable:
     def cross_entropy(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         """sum_t CE(hidden[t] @ table^T, targets[t]) over this rank's targets != IGNORE (fp32 scalar)."""
         return _CrossEntropy.apply(hidden, self.weight(), targets, self, chunk_tokens)
+
+
+def _buffer(scratch: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over the bytes of `scratch` (contiguous, large enough), else a new one."""
+    nbytes = shape.numel() * dtype.itemsize
+    if scratch is None or not scratch.is_contiguous() or scratch.nbytes < nbytes:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return scratch.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
+def reduce_blocks(dtype: torch.dtype, reduce_dtype: torch.dtype) -> int:
+    """Blocks a gradient in `dtype` is summed in, in `reduce_dtype` (scatter_sum; the plan sizes its copy with it)."""
+    return -(-reduce_dtype.itemsize // dtype.itemsize)
 
 
 class _RowsToDevice(torch.autograd.Function):
@@ -311,9 +337,9 @@ class _CrossEntropy(torch.autograd.Function):
             if want_w:
                 add_outer_fp32(grad_w, g, h)
             del logits, g
-        h = t = h_all = None  # done with the gathered hidden states: freed before the sum's reduce-dtype copy
-        grad_h = table.scatter_sum(grad_h_all, gradient=True)[:n] if want_h else None  # my tokens', summed over rows
-        del grad_h_all
+        # my tokens' gradient, summed over rows; the gathered hidden states' bytes take its reduce-dtype copies
+        grad_h = table.scatter_sum(grad_h_all, gradient=True, scratch=h_all)[:n] if want_h else None
+        del grad_h_all, h_all
         ctx.table = table
         ctx.hidden_dtype = hidden.dtype
         ctx.save_for_backward(grad_h, grad_w)
