@@ -142,3 +142,16 @@ def test_layers_the_function_does_not_cover_keep_peft_forward() -> None:
     assert "addmm_" in mode.ops  # o still runs our Function
     torch.testing.assert_close(ours(x), peft_model(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours.k(x), ours.k.base_layer(x))
+
+
+def test_apply_lora_routes_every_adapted_linear_through_the_function() -> None:
+    from shardtune.config.schema import LoraConfig as OurLoraConfig
+    from shardtune.config.schema import ModelConfig
+    from shardtune.model.build import build_model
+    from shardtune.model.lora import apply_lora
+
+    model = build_model(ModelConfig(config="configs/models/tiny-llama.json"), seed=0)
+    apply_lora(model, OurLoraConfig(enabled=True, r=8, target_modules=["q_proj", "down_proj"]))
+    adapted = [m for m in model.modules() if isinstance(m, PeftLoraLinear)]
+    assert adapted and {type(m).__name__ for m in adapted} == {"FusedLoraLinear"}
+    assert all(n.endswith(("q_proj", "down_proj")) for n, m in model.named_modules() if m in adapted)
