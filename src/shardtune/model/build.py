@@ -22,6 +22,7 @@ from shardtune.hub import CONFIG, TOKENIZER, is_hub_id, model_dir
 from shardtune.model.attention import attn_implementation
 from shardtune.model.experts import expert_modules, use_grouped_experts
 from shardtune.model.loading import build_empty, no_weights, weight_files
+from shardtune.model.rms_norm import use_fused_rms_norm
 from shardtune.model.seeded_init import init_full
 from shardtune.templates import resolve_chat_template
 
@@ -71,6 +72,7 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
         # Our grouped experts (model/experts.py) for every MoE run, not only LoRA on experts: transformers' own
         # calls torch's grouped kernel in any dtype, and on CUDA that kernel takes bf16 only (an fp32 run crashed)
         use_grouped_experts(model)
+    use_fused_rms_norm(model)  # torch's fused rms_norm, transformers' arithmetic (model/rms_norm.py)
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)
