@@ -230,10 +230,12 @@ def lora_norms_mlp_bytes(stats: ModelStats, s: Setup) -> tuple[int, int]:
     needs no saved input: each RMSNorm keeps only its fp32 input (or upcast), the MLP gate, up and act(gate), not
     act·up. Each adapter saves its input in the adapters' dtype (fp32): in fp32 compute the base's own input tensor
     (shared by modules reading the same tensor; o_proj's is the attention output, saved anyway), in bf16 one fp32
-    cast per adapted module; plus its (b·s, r) lora_A output. FSDP2 (engine.backend=torch) casts the adapters to
-    the compute dtype with every other parameter: no cast, every saved adapter tensor in the compute dtype."""
+    cast per adapted module; plus its (b·s, r) lora_A output. Over a plain weight our LoRA Linear
+    (model/lora_linear.py) computes the adapter in the compute dtype, and FSDP2 (engine.backend=torch) casts the
+    adapters to it with every other parameter: no cast, every saved adapter tensor in the compute dtype. peft's
+    fp32 path remains for QLoRA on our engine (the NF4 weight computes through its own Function)."""
     d, bs, c = stats.dims, s.micro_batch * s.local_seq, _size(s.compute)
-    a = c if s.backend == "torch" else 4  # the adapters' compute dtype
+    a = _adapter_compute_size(s)
     q_dim, r = d.num_heads * d.head_dim, stats.recipe.lora.r
     inputs = {"q_proj": ("attn_in", d.hidden), "k_proj": ("attn_in", d.hidden), "v_proj": ("attn_in", d.hidden),
               "o_proj": ("attn_out", q_dim), "gate_proj": ("mlp_in", d.hidden), "up_proj": ("mlp_in", d.hidden),
@@ -254,16 +256,23 @@ def adapter_sum_bytes(stats: ModelStats, s: Setup) -> int:
     (then the sum), two b·s·out tensors alive at once beside the base's output, for the widest adapted Linear. In
     bf16 compute with fp32 adapters (our engine) they are fp32: twice the two b·s·i gradients the MLP backward
     holds, and the layer's peak (measured: the tiny-lora-cpu step on the simulated GPU peaks at up_proj's scaled
-    copy in the last checkpointed unit's recompute). engine.mlp_chunk_tokens' LoraDelta makes none of them."""
-    if not s.lora or 0 < s.mlp_chunk < s.micro_batch * s.local_seq:
+    copy in the last checkpointed unit's recompute). engine.mlp_chunk_tokens' LoraDelta makes none of them, nor
+    does our LoRA Linear (model/lora_linear.py: the adapter is added into the base's output), used wherever the
+    base weight is a plain tensor: peft's branch remains under QLoRA only."""
+    if not s.lora or not s.nf4 or 0 < s.mlp_chunk < s.micro_batch * s.local_seq:
         return 0
     d = stats.dims
     widths = {"q_proj": d.num_heads * d.head_dim, "k_proj": d.num_kv_heads * d.head_dim,
               "v_proj": d.num_kv_heads * d.head_dim, "o_proj": d.hidden, "gate_proj": d.intermediate,
               "up_proj": d.intermediate, "down_proj": d.hidden}
     out = max((widths[t] for t in linear_targets(stats) if t in widths), default=0)
-    a = _size(s.compute) if s.backend == "torch" else 4
-    return 2 * s.micro_batch * s.local_seq * out * a
+    return 2 * s.micro_batch * s.local_seq * out * _adapter_compute_size(s)
+
+
+def _adapter_compute_size(s: Setup) -> int:
+    """Bytes per element of the adapter branch's tensors: the compute dtype's (our LoRA Linear; FSDP2 casts the
+    adapters), fp32 under QLoRA on our engine (peft's branch, with the adapters kept in fp32)."""
+    return 4 if s.nf4 and s.backend != "torch" else _size(s.compute)
 
 
 def linear_targets(stats: ModelStats) -> list[str]:
