@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft.tuners.lora import Linear as PeftLoraLinear
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-from peft.tuners.lora import Linear as PeftLoraLinear
 
 from shardtune.config.schema import LoraConfig, ModelConfig
 from shardtune.engine.checkpointing import apply_activation_checkpointing

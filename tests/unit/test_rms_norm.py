@@ -8,7 +8,14 @@ import copy
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from shardtune.model.rms_norm import use_fused_rms_norm
 
