@@ -14,7 +14,7 @@ import torch
 
 from shardtune.config.load import load_recipe
 from shardtune.engine import collectives, vocab
-from shardtune.model import attention
+from shardtune.model import attention, context_parallel
 from shardtune.plan.simulate import _simulated_world
 
 LAYERS = 4  # tiny-llama
@@ -61,10 +61,13 @@ def test_context_parallel_step_on_the_gpu_branch(monkeypatch: pytest.MonkeyPatch
                                           "engine.vocab_parallel=true", "train.grad_accum=2",
                                           "train.micro_batch_size=2", "data.num_samples=200",
                                           f"train.output_dir={tmp}"])
-        run = setup(recipe, simulated=True)
-        run.model.train()
-        sums.clear()
-        train_step(run, 0, None)
+        try:
+            run = setup(recipe, simulated=True)
+            run.model.train()
+            sums.clear()
+            train_step(run, 0, None)
+        finally:
+            context_parallel.disable()  # process-wide: later tests in this process run without it
     assert calls == {"sdpa": 0, "varlen": 2 * LAYERS}  # per micro-step, one call per layer
     owners = {owner for owner, _, _ in sums} - {"?"}  # "?": the units' gradient reductions (engine/reduce.py)
     assert owners == {"GatherSequence.backward", "_Embed.forward", "_CrossEntropy.forward"}, owners
