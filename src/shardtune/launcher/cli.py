@@ -73,20 +73,31 @@ VALIDATE_HELP = (
 
 
 @app.command(help=VALIDATE_HELP)
-def validate(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> None:
-    from shardtune.config.load import load_recipe
+def validate(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
+             print_recipe: bool = typer.Option(False, "--print", help="Print the resolved recipe as YAML on stdout "
+                                               "(every default and override, as train writes recipe.yaml: a file "
+                                               "`train` takes as it is); the other lines go to stderr "
+                                               "(default: off)."),
+             ) -> None:
+    from shardtune.config.load import load_recipe_config, to_recipe, to_yaml
     from shardtune.launcher.launch import check_launch
     from shardtune.launcher.validate import recipe_problems
 
-    r = load_recipe(recipe, overrides or [])
+    cfg = load_recipe_config(recipe, overrides or [])
+    r = to_recipe(cfg)
     nproc = check_launch(r)
-    problems = recipe_problems(r)
+    if print_recipe:  # before the data checks: the recipe itself is sound, whatever they find
+        typer.echo(to_yaml(cfg), nl=False)
+    notes: list[str] = []
+    problems = recipe_problems(r, notes)
     for p in problems:
         typer.echo(f"error: {p}", err=True)
     if problems:
         raise typer.Exit(2)
     typer.echo(f"ok: {recipe} ({nproc} worker(s) per node x {r.launch.nnodes} node(s), "
-               f"engine={r.engine.backend}/{r.engine.strategy}, output_dir={r.train.output_dir})")
+               f"engine={r.engine.backend}/{r.engine.strategy}, output_dir={r.train.output_dir})", err=print_recipe)
+    for note in notes:
+        typer.echo(note, err=print_recipe)
 
 
 PLAN_HELP = (
@@ -99,7 +110,8 @@ PLAN_HELP = (
     "total predicts what train.profile_memory measures.\n\n"
     "--fit step time: FLOPs (6N/token, 4N with LoRA, +2N with checkpointing, + attention) at 40 % of the profile's "
     "bf16 TFLOP/s (fp32: a quarter), ring collectives at the intra-/inter-node bandwidth (overlapped with compute "
-    "when prefetch is on), offload copies at PCIe bandwidth and host AdamW at 10 GB/s.")
+    "when prefetch is on), offload copies at PCIe bandwidth and host AdamW at 10 GB/s; or the host's time if "
+    "longer: kernel launches estimated from the model's shape x 90 us each (`--simulate` counts them).")
 
 
 @app.command(help=PLAN_HELP)
@@ -117,7 +129,9 @@ def plan(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
                                       "as configured, fits (a multiple of 128; exit 3 if none) (default: off)."),
          simulate: bool = typer.Option(False, "--simulate", help="Run one real training step at full size on the "
                                        "simulated GPU (meta device, fake process group; rank 0 of the world) and "
-                                       "print its measured peak beside the plan's, with --json as JSON; exit 0 "
+                                       "print its measured peak beside the plan's, its kernel launches per optimizer step by phase, host "
+                                       "syncs, host CPU-s and the verdict (host- or GPU-bound on hardware.gpu, a "
+                                       "roofline), with --json as JSON; exit 0 "
                                        "(default: off)."),
          ) -> None:
     import json
@@ -194,6 +208,16 @@ def slurm(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
                                           "(default: the partition's limit)."),
           account: str | None = typer.Option(None, "--account", help="SLURM account to charge (default: your "
                                              "default account)."),
+          gpu_type: str | None = typer.Option(None, "--gpu-type", help="The GPUs' type as the cluster names it "
+                                              "(`sinfo -o %G`), e.g. a100: --gpus-per-node=TYPE:G (default: any "
+                                              "type)."),
+          constraint: str | None = typer.Option(None, "--constraint", help="Node features the job needs, e.g. "
+                                                "h100&ib (default: none)."),
+          cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", min=1, help="CPUs per node (default: "
+                                                   "workers x launch.threads_per_worker, which defaults to 4 on a "
+                                                   "GPU job, + 2 for the launcher; 1 on a CPU job)."),
+          mem: str | None = typer.Option(None, "--mem", help="Memory per node, e.g. 256G, 0 = all (default: 1.1 x "
+                                         "plan's host RAM per node + 6 GiB per GPU worker, 1 per CPU worker, + 2)."),
           out: Path | None = typer.Option(None, "-o", "--output", help="Write the script here (default: stdout)."),
           force: bool = typer.Option(False, "--force", help="Write the script even if `plan` says it does not fit "
                                      "(default: off)."),
@@ -201,7 +225,8 @@ def slurm(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
     """Write an sbatch script: N nodes, torchrun per node, checkpoint + requeue on preemption (USR1)."""
     from shardtune.launcher.slurm import SlurmJob, write_sbatch
 
-    job = SlurmJob(nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time=time, account=account)
+    job = SlurmJob(nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time=time, account=account,
+                   gpu_type=gpu_type, constraint=constraint, cpus_per_task=cpus_per_task, mem=mem)
     summary = write_sbatch(recipe, overrides or [], job, out=out, force=force)
     if summary:
         typer.echo(summary, err=True)
@@ -214,10 +239,16 @@ PREPARE_HELP = (
 
 
 @app.command(help=PREPARE_HELP)
-def prepare(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES) -> None:
+def prepare(recipe: str = RECIPE, overrides: list[str] | None = OVERRIDES,
+            show: int | None = typer.Option(None, "--show", min=0, metavar="N", help="Then print example N (row N "
+                                            "of data.path counting from 0; preference data: the N-th pair) as "
+                                            "training reads it: its text with the masked tokens (no loss) between "
+                                            "« and », the trained ones bare, and the token counts of each span "
+                                            "(default: none)."),
+            ) -> None:
     from shardtune.launcher.prepare import prepare_recipe
 
-    prepare_recipe(recipe, overrides or [])
+    prepare_recipe(recipe, overrides or [], show=show)
 
 
 @app.command()
