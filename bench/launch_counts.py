@@ -5,7 +5,8 @@ side: launches by phase, host syncs, host CPU-s (this machine's), and the roofli
     .venv/bin/python bench/launch_counts.py 1b-lora 8b-lora  # some of them
 
 Each row is `shardtune plan RECIPE OVERRIDES --simulate --json` in its own process (what the command prints is what
-the table holds), ours then FSDP2's, one after the other. Prints a markdown table.
+the table holds), ours then FSDP2's, one after the other; "est.": `plan`'s analytic estimate of our launches
+(plan/roofline.py estimated_launches), no simulated step. Prints a markdown table.
 """
 from __future__ import annotations
 
@@ -47,16 +48,23 @@ def cell(sim: dict | None) -> str:
            f"{sim['roofline']['verdict']} ({sim['roofline']['host_s'] / sim['roofline']['gpu_s']:.1f}x)"
 
 
+def estimated(recipe: str, overrides: list[str]) -> int:
+    from shardtune.plan import make_plan
+    from shardtune.plan.roofline import estimated_launches
+
+    return estimated_launches(make_plan(recipe, overrides))
+
+
 def main(names: list[str]) -> None:
     print("| config | ours: launches (fwd / recompute / bwd / optimizer / comm) | syncs | CPU-s | verdict (host/GPU) "
-          "| FSDP2: launches (fwd / recompute / bwd / optimizer / comm) | syncs | CPU-s | verdict (host/GPU) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| FSDP2: launches (fwd / recompute / bwd / optimizer / comm) | syncs | CPU-s | verdict (host/GPU) | est. |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         recipe, overrides, fsdp2 = CONFIGS[name]
         ours = simulate(recipe, overrides)
         theirs = simulate(recipe, [*overrides, "engine.backend=torch"]) if fsdp2 else None
         print(f"| {name}: `{recipe} {' '.join(overrides)}` ({ours['roofline']['card']}) | {cell(ours)} | "
-              f"{cell(theirs)} |", flush=True)
+              f"{cell(theirs)} | {estimated(recipe, overrides):,} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -116,8 +116,8 @@ FSDP2_FACTOR = 1.23  # FSDP2's layer against ours (LoRA: 288 against 235 launche
 
 def estimated_launches(plan: Any) -> int:
     """Kernel launches per optimizer step from the recipe's shape (the constants above): per micro-step, each layer's
-    forward and backward, its recompute under checkpointing (every k-th layer for an int k), and the NF4 tiles;
-    then the optimizer. Collectives: one per gathered unit and pass, one reduce-scatter per trainable unit."""
+    forward and backward, its recompute under checkpointing (every k-th layer for an int k), and the NF4 tiles
+    (the MLP's once per MLP chunk); then the optimizer. Collectives: one per gathered unit and pass, one reduce-scatter per trainable unit."""
     import math
 
     from shardtune.plan.estimate import linear_targets
@@ -127,8 +127,10 @@ def estimated_launches(plan: Any) -> int:
     tiles = 0
     if s.nf4:
         per_tile = s.nf4_tile_bytes or 1 << 62  # torchao: the whole weight at once
-        weights = [shape for u in plan.estimate.units for _, shape in u.quantized_weights]
-        tiles = sum(math.ceil(math.prod(w) * s.compute.itemsize / per_tile) for w in weights) // max(1, layers)
+        # engine.mlp_chunk_tokens (model/tiled_mlp.py): each chunk of tokens runs the MLP's weights, tiles and all
+        chunks = math.ceil(s.micro_batch * s.local_seq / s.mlp_chunk) if s.mlp_chunk else 1
+        tiles = sum(math.ceil(math.prod(shape) * s.compute.itemsize / per_tile) * (chunks if ".mlp." in name else 1)
+                    for u in plan.estimate.units for name, shape in u.quantized_weights) // max(1, layers)
     recompute = 0.0 if s.checkpointing is False else 1.0 / (1 if s.checkpointing is True else int(s.checkpointing))
     passes = (1.0, recompute, 1.0)
     layer = sum(p * (base + adapted * a + tiles * t)
