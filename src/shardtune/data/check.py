@@ -18,8 +18,8 @@ from shardtune.config.schema import DataConfig
 from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import FORMATS, IGNORE, encode_batch
 from shardtune.data.hub_data import pick_split
-from shardtune.data.messages import to_messages
 from shardtune.data.lengths import long_rows_warning
+from shardtune.data.messages import to_messages
 from shardtune.data.pair_encoding import ignored_template
 from shardtune.data.sample import SAMPLE_ROWS, Sample, data_files, is_saved_dataset, read_sample
 from shardtune.data.sources import is_mix, sources
