@@ -53,6 +53,9 @@ def test_script_has_the_job_and_the_same_environment(tmp_path, capsys, monkeypat
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text and "trap forward_usr1 USR1" in text
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0  # valid shell
     assert out.stat().st_mode & 0o111 and "sbatch" in err
+    # A stop by USR1 saves at any save_every (trainer/signals.py): the script and the note say so, and what is lost.
+    assert "(at any train.save_every) and exit 75" in text
+    assert "a job warned by USR1 still saves" in err and "restarts from step 0" in err
 
 
 def test_gpus_per_node_sets_workers_and_device(tmp_path, capsys):

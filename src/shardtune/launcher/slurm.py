@@ -225,7 +225,7 @@ echo "shardtune: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM
 
 # Preemption: USR1 reaches this shell (--signal=B:..., or `scancel --signal=USR1 --batch`). Forward it to the
 # step: srun delivers it to every process on every node; the workers finish the step, save a checkpoint
-# (with train.save_every > 0) and exit 75; this shell then requeues the job.
+# (at any train.save_every) and exit 75; this shell then requeues the job.
 PREEMPTED=0
 SRUN_PID=""  # empty while `prepare` runs: a USR1 then only marks the job for requeue
 forward_usr1() {{ PREEMPTED=1; echo "shardtune: USR1: checkpointing before requeue"
@@ -270,7 +270,8 @@ def write_sbatch(recipe_arg: str, overrides: list[str], job: SlurmJob, *, out: P
         hint = "" if shutil.which("sbatch") else " (sbatch is not on this machine's PATH: copy it to the cluster)"
         notes.append(f"wrote {out}: submit with `sbatch {out}`{hint}")
     if load_recipe(recipe_arg, overrides).train.save_every == 0:
-        notes.append("warning: train.save_every=0 saves no checkpoint: a preempted job restarts from step 0; "
+        notes.append("warning: train.save_every=0: a job warned by USR1 still saves, but one killed without warning "
+                     "(a node failure, a time limit reached before the warning) restarts from step 0; "
                      "set train.save_every=N")
     return "\n".join(notes)
 
