@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/shardtune train tiny-cpu
+	$(BIN)/shardtune train tiny-cpu train.resume=none  # a second `make demo` starts over (a finished run is not trained again unasked)
 
 # Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once).
 # 556.8 s on a fresh clone through .ci/run, SLURM included, on this 2-core machine (2026-12-04, 17:44; 579-672 s
