@@ -115,9 +115,11 @@ def block_scalers(w: NF4Tensor) -> torch.Tensor:
     """Every 64-element block's scaler, as torchao's dequantize_scalers: int8 / the factor of its scaler block, in
     the weight's dtype, + the mean. 1D, numel/64 (c/64 bytes per weight): computed once per matmul, sliced per tile
     (a tile then costs a handful of kernels, not a dozen)."""
+    # Two kernels: the factors broadcast over their scaler blocks (scaler_block divides the block count), not
+    # repeated into a copy first; the same elementwise division and sum as torchao's
     sb = w.scaler_block_size
-    factors = w.quantization_factor.repeat_interleave(sb)[:w.quantized_scalers.numel()]
-    return (w.quantized_scalers / factors).to(w.dtype) + w.scaler_mean
+    q = w.quantized_scalers.view(-1, sb)
+    return (q / w.quantization_factor.view(-1, 1)).view(-1).to(w.dtype) + w.scaler_mean
 
 
 def dequantize_rows(w: NF4Tensor, r0: int, r1: int, out: torch.Tensor,
@@ -170,10 +172,9 @@ class _TiledLinear(torch.autograd.Function):
         for r0 in range(0, out_f, rows):
             r1 = min(out_f, r0 + rows)
             wt = dequantize_rows(w, r0, r1, buf, scalers).to(x.dtype)
-            if rows == out_f:
-                torch.mm(x2, wt.t(), out=y)
-            else:
-                y[:, r0:r1].copy_(x2 @ wt.t())  # N x rows: one tile's output columns
+            # straight into the tile's output columns: a GEMM writes a strided result (leading dimension out_f)
+            # in place, so a tile costs its dequantization and one matmul, no product to copy
+            torch.mm(x2, wt.t(), out=y[:, r0:r1])
         return out
 
     @staticmethod
@@ -193,7 +194,7 @@ class _TiledLinear(torch.autograd.Function):
             gx = torch.empty(g2.shape[0], in_f, dtype=grad_y.dtype, device=grad_y.device)
             for c0 in range(0, in_f, cols):
                 c1 = min(in_f, c0 + cols)
-                gx[:, c0:c1].copy_(g2 @ dequantize_cols(w, c0, c1, buf, scalers).to(grad_y.dtype))  # N x cols
+                torch.mm(g2, dequantize_cols(w, c0, c1, buf, scalers).to(grad_y.dtype), out=gx[:, c0:c1])
             return gx.view(*grad_y.shape[:-1], in_f), None
         # Rows that split blocks: a sum over row tiles: accumulated in fp32 (each tile's product rounded once to the compute dtype), so a bf16
         # run sees about the one rounding of torchao's single matmul, not one per tile. N x in x 4 bytes.
