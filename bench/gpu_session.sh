@@ -100,7 +100,8 @@ for n in "${NAMES[@]}"; do
     [ $secs -gt $left ] && secs=$left
     echo "== $n $(date -u +%T) (${secs} s): ${o[*]}"
     t=$SECONDS
-    timeout "$secs" "$ST" train $RECIPE "${COMMON[@]}" "${o[@]}" "train.output_dir=$WORK/$n" > "$WORK/$n.log" 2>&1
+    # SIGTERM stops a run as Ctrl-C does (its workers with it); SIGKILL 20 s later if that hangs
+    timeout -k 20 "$secs" "$ST" train $RECIPE "${COMMON[@]}" "${o[@]}" "train.output_dir=$WORK/$n" > "$WORK/$n.log" 2>&1
     rc=$?
     status="rc $rc, $((SECONDS - t)) s"; [ $rc = 124 ] && status="timed out at $secs s"
     echo "$status"; [ $rc != 0 ] && tail -15 "$WORK/$n.log"

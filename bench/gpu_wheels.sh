@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels bench/gpu_session.sh installs on a lent GPU machine, which has no package registry: the pinned versions
+# The wheels bench/gpu_session.sh (issue 58's GPU benchmark) installs on a lent GPU machine, which has no package registry: the pinned versions
 # (requirements/constraints.txt) of what its image lacks or holds at another version (its torch 2.11 stays: a CUDA
 # torch is too large to carry). For its Python 3.12, x86-64. Writes .whl/ (ignored: add `/.whl/` to
 # .git/info/exclude) and carry it: the device tool's `run` with carry [".whl"].
@@ -16,3 +16,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl "${pins[@]}"
 ls .whl
+# a call carries at most 64 MiB, the working tree included: check the total
+du -sh .whl
