@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune import accelerator
-from shardtune.simulated import host
+from shardtune.simulated import host, rms_norm
 
 _STREAM_IDS = itertools.count()
 
@@ -96,6 +96,7 @@ def install() -> None:
     lib.impl("_to_copy", _meta_to_copy, "Meta")
     _LIBS.append(lib)
     _native_meta_kernels()
+    rms_norm.install(_LIBS)  # F.rms_norm as CUDA runs it: one fused kernel each way
 
 
 _LIBS: list[Any] = []  # keeps the simulated kernels registered
