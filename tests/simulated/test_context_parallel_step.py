@@ -3,6 +3,7 @@
     piece (model/context_parallel.py);
   - the gradient sums over ranks run in engine.reduce_dtype (fp32 here): the keys' and values' reduce-scatter, and
     the vocabulary-parallel head's hidden-state gradient; the embedding's forward sum (exact in any dtype) stays bf16.
+And leaving the simulated world leaves context parallelism off (plan/simulate.py `_simulated_world`).
 """
 from __future__ import annotations
 
@@ -61,13 +62,13 @@ def test_context_parallel_step_on_the_gpu_branch(monkeypatch: pytest.MonkeyPatch
                                           "engine.vocab_parallel=true", "train.grad_accum=2",
                                           "train.micro_batch_size=2", "data.num_samples=200",
                                           f"train.output_dir={tmp}"])
-        try:
-            run = setup(recipe, simulated=True)
-            run.model.train()
-            sums.clear()
-            train_step(run, 0, None)
-        finally:
-            context_parallel.disable()  # process-wide: later tests in this process run without it
+        run = setup(recipe, simulated=True)
+        assert context_parallel.size() == 2
+        run.model.train()
+        sums.clear()
+        train_step(run, 0, None)
+    # the simulated world turns it off on exit (process-wide: later tests in this process run without it)
+    assert context_parallel.size() == 1 and not context_parallel.active()
     assert calls == {"sdpa": 0, "varlen": 2 * LAYERS}  # per micro-step, one call per layer
     owners = {owner for owner, _, _ in sums} - {"?"}  # "?": the units' gradient reductions (engine/reduce.py)
     assert owners == {"GatherSequence.backward", "_Embed.forward", "_CrossEntropy.forward"}, owners

@@ -121,6 +121,7 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     import shardtune.trainer.parallelize as par
     import shardtune.trainer.train as train
     from shardtune.data.pipeline import build_data
+    from shardtune.model import context_parallel
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(max(1, world // nodes))}
     saved_env = {k: os.environ.get(k) for k in env}
@@ -142,6 +143,8 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
         yield
     finally:
         alone.__exit__(None, None, None)
+        # The trainer's setup enables it process-wide (model/context_parallel.py) for the world's group, gone now.
+        context_parallel.disable()
         dist.destroy_process_group()
         accelerator.forget_host_group()
         (accelerator.make_host_buffer, par.init_into_shards, train.prepare_for_ranks,
