@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-FORMATS = ("text", "instruction", "chat", "preference")
+FORMATS = ("text", "instruction", "chat", "preference", "prompt")
 CHAT_STYLES = ("auto", "openai", "sharegpt")
 # Keys an entry of a data.path list may set (besides path and weight): what describes one dataset.
 ENTRY_KEYS = ("format", "text_field", "prompt_field", "input_field", "response_field", "template", "messages_field",
@@ -30,6 +30,9 @@ def check_data_config(data: Mapping[str, Any]) -> None:
             if isinstance(entry, dict) and entry.get("format", data["format"]) == "preference":
                 _fail(f"{prefix}.format", "preference pairs come from one dataset, not a mix (a mix interleaves "
                       "rows, a pair is two): give data.path one file")
+            if isinstance(entry, dict) and entry.get("format", data["format"]) == "prompt":
+                _fail(f"{prefix}.format", "GRPO prompts come from one dataset, not a mix (their reward columns "
+                      "differ per dataset): give data.path one file")
             if not isinstance(entry, dict) or "path" not in entry:
                 _fail(prefix, f"must be a mapping with a path, e.g. {{path: data.jsonl, weight: 1}}, got {entry!r}")
             unknown = sorted(set(entry) - {"path", "weight", *ENTRY_KEYS})

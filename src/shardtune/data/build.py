@@ -45,6 +45,7 @@ from shardtune.data.docs import (
 from shardtune.data.fields import resolve_fields
 from shardtune.data.formats import encode_batch
 from shardtune.data.preference import PairBuilder
+from shardtune.data.prompts import PromptBuilder
 from shardtune.errors import UserError
 
 PIECE_ROWS = 100_000  # rows per map() call: the progress bar moves once per piece
@@ -151,8 +152,9 @@ class SftBuilder:
         return {"packing": self.cfg.packing, "long_docs": self.cfg.long_docs}
 
 
-# Preference rows become pairs of documents, never packed; every other format's rows are SFT documents.
-BUILDERS: dict[str, type[FormatBuilder]] = {"preference": PairBuilder}
+# Preference rows become pairs of documents, prompt rows one prompt each (data/prompts.py), never packed; every other
+# format's rows are SFT documents.
+BUILDERS: dict[str, type[FormatBuilder]] = {"preference": PairBuilder, "prompt": PromptBuilder}
 
 
 def builder_for(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> FormatBuilder:

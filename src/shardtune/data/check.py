@@ -21,6 +21,8 @@ from shardtune.data.hub_data import pick_split
 from shardtune.data.lengths import long_rows_warning
 from shardtune.data.messages import to_messages
 from shardtune.data.pair_encoding import ignored_template
+from shardtune.data.prompt_encoding import ignored_template as ignored_prompt_template
+from shardtune.data.prompt_encoding import prompt_problem
 from shardtune.data.sample import SAMPLE_ROWS, Sample, data_files, is_saved_dataset, read_sample
 from shardtune.data.sources import is_mix, sources
 from shardtune.errors import UserError
@@ -121,11 +123,14 @@ def _sample_problems(cfg: DataConfig, sample: Sample, tok: PreTrainedTokenizerBa
         long_rows = long_rows_warning(cfg, rows, encoded, tok, where)
     except UserError as e:
         return [f"data.path: {where}: {e}"]
-    if not any(any(lab != IGNORE for lab in labels[1 : cfg.seq_len]) for _, labels in encoded):
+    # prompts have no targets: generation writes the completions
+    trained = any(any(lab != IGNORE for lab in labels[1 : cfg.seq_len]) for _, labels in encoded)
+    if cfg.format != "prompt" and not trained:
         return [f"data.path: {where}: none of the first {len(rows)} rows has a target token within "
                 f"data.seq_len={cfg.seq_len} (prompts too long, or no response/assistant turn): raise data.seq_len "
                 "or check the fields"]
-    for warning in (long_rows, cfg.format == "preference" and rows and ignored_template(rows[0], cfg)):
+    for warning in (long_rows, cfg.format == "preference" and rows and ignored_template(rows[0], cfg),
+                    cfg.format == "prompt" and rows and ignored_prompt_template(rows[0].get(cfg.prompt_field), cfg)):
         if warning:
             warnings.warn(warning, stacklevel=2)
     return []
@@ -160,6 +165,8 @@ def _bad_value(cfg: DataConfig, key: str, value: Any) -> str | None:
         except UserError as e:
             return str(e).removeprefix("data.format=chat: ")
         return None
+    if cfg.format == "prompt":  # a string, or messages rendered by the chat template
+        return prompt_problem(value, cfg)
     if value is None:
         return "missing or null: every row needs it"
     if isinstance(value, list) and cfg.format == "preference":  # a chat message list: rendered by the template

@@ -19,6 +19,7 @@ from shardtune.config.schema import DataConfig
 from shardtune.data.messages import TOOLS_COLUMN, check_tool_calls, row_tools, to_messages
 from shardtune.data.messages import as_text as _text
 from shardtune.data.pair_encoding import Encoded, encode_preference
+from shardtune.data.prompt_encoding import encode_prompts
 from shardtune.data.tokens import IGNORE, as_ids
 from shardtune.errors import UserError
 from shardtune.templates import render_prompt
@@ -97,6 +98,7 @@ FORMATS: dict[str, Format] = {
     "instruction": Format(encode_instruction, ("prompt_field", "response_field"), ("input_field",)),
     "chat": Format(encode_chat, ("messages_field",)),
     "preference": Format(encode_preference, ("prompt_field", "chosen_field", "rejected_field")),
+    "prompt": Format(encode_prompts, ("prompt_field",)),  # GRPO: prompts only, other columns for the rewards
 }
 
 

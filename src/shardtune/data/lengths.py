@@ -27,6 +27,11 @@ def long_rows_warning(cfg: DataConfig, rows: list[dict[str, Any]], encoded: Enco
             lost += len(tc) < len(c) or len(tr) < len(r)
         cut = f"a pair keeps its prompt's end and its responses' first {s} tokens in all"
         fix = "raise data.seq_len"
+    elif cfg.format == "prompt":  # no targets: a long prompt loses its start (data/prompts.py)
+        long = [len(ids) for ids, _ in encoded if len(ids) > s]
+        return (f"data.path {where}: {len(long)} of the first {len(rows)} prompts are longer than data.seq_len={s} "
+                f"tokens (longest {max(long):,}); each would keep only its last {s} tokens: raise data.seq_len "
+                "(`shardtune prepare` counts every row)") if long else None
     else:
         if cfg.long_docs == "split":
             return None

@@ -153,10 +153,11 @@ def _builtin(spec: str, head: str, arg: str, where: str) -> RewardFunc:
 
 def _module_from_file(target: str, where: str, recipe_dir: str | Path | None) -> Any:
     path = Path(target)
-    candidates = [path] if path.is_absolute() else [Path.cwd() / path] + ([Path(recipe_dir) / path] if recipe_dir else [])
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, *([Path(recipe_dir) / path] if recipe_dir else [])]
     found = next((p for p in candidates if p.is_file()), None)
     if found is None:
-        tried = "" if path.is_absolute() else " (a relative path is tried in the current directory, then the recipe's folder)"
+        tried = "" if path.is_absolute() else \
+            " (a relative path is tried in the current directory, then the recipe's folder)"
         raise UserError(f"{where}: no file '{target}'{tried}")
     name = f"shardtune_reward_{abs(hash(str(found.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, found)
