@@ -55,9 +55,15 @@ LORA=()
 QLORA=(lora.quantize_base=nf4)
 FULL=(lora.enabled=false model.dtype=fp32 train.lr=1e-5)  # fp32 masters + AdamW, bf16 compute
 EAGER=(engine.compile=false)
-# engine.compile is newer than this script: a recipe without the key skips the compiled rows (printed, not failed)
-if $ST validate $RECIPE "${COMMON[@]}" engine.compile=true > "$WORK/compile_probe.log" 2>&1; then HAS_COMPILE=1
-else HAS_COMPILE=0; EAGER=(); echo "== no engine.compile here ($(tail -1 "$WORK/compile_probe.log")): compiled rows skipped"; fi
+# engine.compile is newer than this script. Where the recipe refuses it on packed rows, the compiled rows run
+# unpacked, each beside an eager row on the same unpacked data; where it is refused outright (an unknown key), the
+# compiled rows are skipped with the reason printed, not failed.
+probe() { $ST validate $RECIPE "${COMMON[@]}" "${COMPILE[@]}" "$@" > "$WORK/compile_probe.log" 2>&1; }
+UNPACKED=()
+if probe; then HAS_COMPILE=1
+elif probe data.packing=false; then HAS_COMPILE=1; UNPACKED=(data.packing=false)
+  echo "== engine.compile refuses packed rows here: the compiled rows and their eager pairs run data.packing=false"
+else HAS_COMPILE=0; EAGER=(); echo "== compiled rows skipped: $(tail -1 "$WORK/compile_probe.log")"; fi
 
 T0=$SECONDS
 NAMES=()
@@ -68,8 +74,10 @@ queue lora_8b_torch lora  100 model.config=configs/models/$M8.json "${LORA[@]}" 
 queue lora_1b       lora   60 model.config=configs/models/$M1.json "${LORA[@]}" "${EAGER[@]}"
 queue full_1b       full   70 model.config=configs/models/$M1.json "${FULL[@]}" "${EAGER[@]}"
 queue qlora_8b      qlora 100 model.config=configs/models/$M8.json "${QLORA[@]}" "${EAGER[@]}"
-queue lora_8b_compile lora 150 model.config=configs/models/$M8.json "${LORA[@]}" "${COMPILE[@]}"
-queue full_1b_compile full 110 model.config=configs/models/$M1.json "${FULL[@]}" "${COMPILE[@]}"
+queue lora_8b_compile lora 150 model.config=configs/models/$M8.json "${LORA[@]}" "${COMPILE[@]}" "${UNPACKED[@]}"
+[ ${#UNPACKED[@]} -gt 0 ] && queue lora_8b_unpacked lora 90 model.config=configs/models/$M8.json "${LORA[@]}" "${EAGER[@]}" "${UNPACKED[@]}"
+queue full_1b_compile full 110 model.config=configs/models/$M1.json "${FULL[@]}" "${COMPILE[@]}" "${UNPACKED[@]}"
+[ ${#UNPACKED[@]} -gt 0 ] && queue full_1b_unpacked full 60 model.config=configs/models/$M1.json "${FULL[@]}" "${EAGER[@]}" "${UNPACKED[@]}"
 queue full_1b_torch full   70 model.config=configs/models/$M1.json "${FULL[@]}" engine.backend=torch
 # Full fine-tuning of 8B does not fit one H200 with fp32 masters and AdamW (plan: 149.6 GiB of 132.4 usable):
 # the largest full run is the 3B config (~16 bytes a parameter, ~52 GiB).
@@ -94,7 +102,7 @@ for n in "${NAMES[@]}"; do
   read -r method secs <<< "$(eval echo "\$Q_$n")"
   eval "o=(\"\${O_$n[@]}\")"
   left=$((BUDGET_S - (SECONDS - T0)))
-  if [ $HAS_COMPILE = 0 ] && [[ " ${o[*]} " == *" engine.compile=true "* ]]; then status="skipped: no engine.compile"
+  if [ $HAS_COMPILE = 0 ] && [[ " ${o[*]} " == *" engine.compile=true "* ]]; then status="skipped: engine.compile refused (session.log)"
   elif [ $left -lt 30 ]; then status="skipped: ${left} s left"
   else
     [ $secs -gt $left ] && secs=$left
