@@ -35,6 +35,19 @@ def test_dpo_runs_are_asked_as_their_pairs_were_rendered(tmp_path, row, kind, st
     assert style_of_recipe(load_recipe("tiny-dpo-cpu", [f"data.path={path}"])).kind == kind
 
 
+@pytest.mark.parametrize(("prompt", "style"), [(TURNS[:1], PromptStyle("chat")),
+                                              ("sky?", PromptStyle("instruction", "alpaca"))])
+def test_grpo_runs_are_asked_as_their_prompts_were_rendered(tmp_path, prompt, style):
+    from types import SimpleNamespace
+
+    from shardtune.config.schema import DataConfig
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "answer": "blue"}) + "\n")
+    recipe = SimpleNamespace(data=DataConfig(path=str(path), format="prompt", template="alpaca"))
+    assert style_of_recipe(recipe) == style
+
+
 def test_sft_formats_and_a_folders_record(tmp_path):
     assert style_of_recipe(load_recipe("tiny-cpu", ["data.format=chat"])) == PromptStyle("chat")
     assert style_of_recipe(load_recipe("tiny-cpu")) == PromptStyle("instruction", "plain")

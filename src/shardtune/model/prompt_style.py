@@ -37,9 +37,9 @@ def data_setting(recipe: Recipe, key: str) -> Any:
 
 def style_of_recipe(recipe: Recipe) -> PromptStyle:
     fmt = data_setting(recipe, "format")
-    if fmt == "chat" or (fmt == "preference" and _conversational_pairs(recipe)):
+    if fmt == "chat" or (fmt in ("preference", "prompt") and _conversational_pairs(recipe)):
         return PromptStyle("chat")
-    if fmt in ("instruction", "preference"):  # string preference prompts are rendered with data.template too
+    if fmt in ("instruction", "preference", "prompt"):  # string preference/GRPO prompts: data.template too
         return PromptStyle("instruction", data_setting(recipe, "template"))
     return PromptStyle("text")
 
