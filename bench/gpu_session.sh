@@ -18,7 +18,7 @@ WORK=${WORK:-/tmp/gpu_runs}
 RAW=$WORK/raw
 # The runs' and plans' deadline; install, env and probe come on top: < 8 min in all. A dry run on 2 loaded cores
 # reaches the first rows in 120 s; BUDGET_S=900 runs every row (~5 min).
-if [ $DRY = 1 ]; then BUDGET_S=${BUDGET_S:-120}; else BUDGET_S=${BUDGET_S:-400}; fi
+if [ $DRY = 1 ]; then BUDGET_S=${BUDGET_S:-120}; else BUDGET_S=${BUDGET_S:-380}; fi
 mkdir -p "$OUTD" && rm -rf "$WORK" && mkdir -p "$RAW"
 exec > >(tee "$OUTD/session.log") 2>&1
 
