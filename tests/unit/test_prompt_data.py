@@ -53,10 +53,10 @@ def test_prepare_stores_prompt_ids_text_and_columns(tmp_path, template):
     assert [r.source_row for r in got] == [0, 1, 2]
     assert got[0].ids == _string_ids("reverse abc", template) and got[0].prompt == "reverse abc"
     assert got[1].ids == _chat_ids(CHAT) and got[1].prompt == CHAT  # ends with the opened assistant turn
-    assert TOK.decode(got[1].ids).endswith(TOK.decode(_chat_ids(CHAT)[-3:]))
+    without = list(TOK.apply_chat_template(CHAT, tokenize=True, return_dict=False))
+    assert got[1].ids[: len(without)] == without and len(got[1].ids) > len(without)  # + the generation prompt
     assert [r.columns for r in got] == [{"answer": "cba", "level": 1}, {"answer": "4", "level": 2},
                                         {"answer": "yx", "level": 3}]
-    assert rows.column_names() == ["answer", "level"]
 
 
 def test_sharegpt_prompts_reach_the_rewards_as_openai_messages_and_aliases_are_found(tmp_path):
@@ -109,3 +109,21 @@ def test_conversational_prompts_without_a_chat_template_are_one_line(tmp_path):
     assert str(e.value) == (f"data.path: '{path}' row 1, column 'prompt' (data.prompt_field): message-list prompts "
                             "need a chat template: set model.chat_template=chatml (or plain, or a Jinja string), or "
                             "use string prompts")
+
+
+def test_prepare_report_and_show_name_the_prompts_and_reward_columns(tmp_path):
+    from shardtune.data.show import MASK_CLOSE, MASK_OPEN, show_example
+    from shardtune.launcher.prepare import format_report
+
+    data = build_data(_cfg(_write(tmp_path, ROWS)), TOK, seed=0, output_dir=str(tmp_path / "run"))
+    assert data.manifest["reward_columns"] == ["answer", "level"]
+    report = format_report(data, seconds=0.0).splitlines()
+    assert report[1] == "source rows: 3 -> prompts: 3 train, 0 eval; columns for the reward functions: answer, level"
+    tokens = len(_string_ids("reverse abc")) + len(_chat_ids(CHAT)) + len(_string_ids("reverse xy"))
+    assert report[3] == (f"tokens: {tokens:,} train, 0 eval (prompts, no targets: completions are sampled); stored "
+                         "as uint16")
+    assert report[4] == "truncated prompts (longer than data.seq_len=256, each keeps its end): 0 (train 0, eval 0)"
+    shown = show_example(data, TOK, 1).splitlines()
+    assert shown[0] == "example 1: row 1 of 3 (counting from 0), in the train split"
+    assert shown[2] == MASK_OPEN + TOK.decode(_chat_ids(CHAT)) + MASK_CLOSE
+    assert shown[-1] == 'columns for the reward functions: {"answer": "4", "level": 2}'

@@ -39,6 +39,7 @@ class PromptBuilder:
     def __init__(self, cfg: DataConfig, tok: PreTrainedTokenizerBase) -> None:
         self.cfg, self.tok = cfg, tok
         self.truncated = np.zeros(0, dtype=bool)  # per row
+        self.columns: list[str] = []  # the columns kept for the reward functions
 
     def encode(self, raw: Any, dtype: str, tmp: Path, progress: Callable[[int, int], None] | None) -> store.Documents:
         cfg = self.cfg
@@ -62,6 +63,7 @@ class PromptBuilder:
         if progress is not None:
             progress(len(raw), len(raw))
         self.truncated = np.array(truncated, dtype=bool)
+        self.columns = sorted({k for i in range(min(len(raw), 1)) for k in raw[i]} - {cfg.prompt_field})
         with pa.OSFile(str(tmp / ROWS_FILE), "wb") as sink:
             table = pa.table({"json": pa.array(lines, type=pa.large_string())})
             with pa.ipc.new_stream(sink, table.schema) as writer:
@@ -90,7 +92,7 @@ class PromptBuilder:
         return unit
 
     def manifest_fields(self) -> dict[str, Any]:
-        return {"packing": False, "prompt_rows": ROWS_FILE}
+        return {"packing": False, "prompt_rows": ROWS_FILE, "reward_columns": self.columns}
 
 
 @dataclass(frozen=True)
@@ -126,5 +128,3 @@ class PromptRows:
     def take(self, idx: Any) -> list[PromptRow]:
         return [self.get(int(i)) for i in np.asarray(idx, dtype=np.int64).reshape(-1)]
 
-    def column_names(self) -> list[str]:
-        return sorted(self.get(0).columns) if len(self) else []

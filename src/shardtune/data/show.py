@@ -7,6 +7,7 @@ MASK_OPEN and MASK_CLOSE, trained ones as they are.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,11 @@ def show_example(data: TokenizedData, tok: PreTrainedTokenizerBase, n: int) -> s
                 f"{m.get('identical_pairs', 0):,} dropped: chosen identical to rejected), {_split(part, 2 * i)}")
         return "\n".join([head, *_document(part, tok, 2 * i, "chosen"), *_document(part, tok, 2 * i + 1, "rejected")])
     head = f"example {n}: {where}row {i} of {counts[k]:,} (counting from 0), {_split(part, i)}"
+    if "prompts" in m["stats"]["train"]:  # data.format=prompt: the prompt as generation continues it, the columns
+        rows = pa.ipc.open_stream(pa.memory_map(str(Path(part.entry) / m["prompt_rows"]))).read_all()
+        columns = json.loads(rows.column("json")[i].as_py())["columns"]
+        return "\n".join([head, *_document(part, tok, i, "prompt"),
+                          f"columns for the reward functions: {json.dumps(columns, ensure_ascii=False)}"])
     return "\n".join([head, *_document(part, tok, i, "document")])
 
 

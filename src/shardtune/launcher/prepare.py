@@ -73,6 +73,16 @@ def format_report(data: TokenizedData, *, seconds: float) -> str:
     if "pairs" in train:  # data.format=preference: two documents (chosen, rejected) per pair
         lines.insert(2, f"preference pairs: {train['pairs']:,} train, {ev['pairs']:,} eval; "
                         f"{m.get('identical_pairs', 0):,} dropped (chosen identical to rejected)")
+    if "prompts" in train:  # data.format=prompt (GRPO): one prompt per row, no targets (completions are sampled)
+        from shardtune.data.build import truncated_counts
+
+        cols = ", ".join(m.get("reward_columns", [])) or "none"
+        lines = [lines[0], f"source rows: {m['source_rows']:,} -> prompts: {train['prompts']:,} train, "
+                 f"{ev['prompts']:,} eval; columns for the reward functions: {cols}", lines[2],
+                 f"tokens: {train['tokens']:,} train, {ev['tokens']:,} eval (prompts, no targets: completions are "
+                 f"sampled); stored as {m['token_dtype']}",
+                 f"truncated prompts (longer than data.seq_len={m['seq_len']}, each keeps its end): "
+                 f"{truncated_counts(m['stats'])}", "prompt length (tokens, as stored):"]
     lines += _histogram(m["histogram"])
     return "\n".join(lines)
 
