@@ -57,7 +57,8 @@ def test_recipes_command_lists_bundled(capsys):
 
 # The public surface changes only on purpose: update these sets together with the docs.
 EXPECTED_COMMANDS = {"train", "validate", "recipes", "export", "slurm", "plan", "prepare", "keys", "generate", "chat"}
-EXPECTED_SECTIONS = {"description", "model", "lora", "engine", "data", "train", "dpo", "launch", "hardware"}
+EXPECTED_SECTIONS = {"description", "model", "lora", "engine", "data", "train", "dpo", "grpo", "launch",
+                     "hardware"}
 
 
 def test_public_surface_snapshot():
@@ -77,6 +78,9 @@ def test_public_surface_snapshot():
               "train.warmup_steps", "train.weight_decay", "train.max_grad_norm", "train.seed", "train.eval_every",
               "train.save_every", "train.profile_memory", "train.loss_chunk_tokens", "engine.nf4_tile_mb", "train.objective", "data.chosen_field", "data.rejected_field",
               "dpo.beta", "dpo.loss", "dpo.label_smoothing", "dpo.precompute_reference", "dpo.sft_warmup_steps",
+              "grpo.num_generations", "grpo.max_new_tokens", "grpo.temperature", "grpo.top_p", "grpo.top_k",
+              "grpo.loss_type", "grpo.epsilon", "grpo.epsilon_high", "grpo.beta", "grpo.num_iterations",
+              "grpo.scale_rewards", "grpo.reward_funcs", "grpo.reward_weights",
               "launch.nproc_per_node", "launch.nnodes", "launch.device",
               "hardware.gpu", "hardware.num_gpus", "hardware.host_ram_gb"]:
         assert k in keys, k

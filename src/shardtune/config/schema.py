@@ -110,6 +110,10 @@ class EngineConfig:
     # 1/N each, and all-gather the keys and values before each attention: activations /N per rank, for the same
     # global batch read by N ranks. Our backend, SFT, models without sliding-window attention.
     context_parallel: bool = False
+    # Regional torch.compile: each decoder block's forward compiled once per run (fullgraph, dynamic sequence length;
+    # engine/compile.py), the engine's hooks outside it. Off: no GPU run has shown it faster yet, and it costs the
+    # first step the compile time (seconds to minutes per block class). Our backend; dense and LoRA models.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _check(self.backend in ("shardtune", "torch"), "engine.backend", f"must be shardtune or torch, got {self.backend!r}")
@@ -196,6 +200,8 @@ def context_parallel_refusal(recipe: Recipe) -> str | None:
            if recipe.engine.backend == "torch" else
            "train.objective=dpo (a pair's log-probabilities are summed over the whole row): use train.objective=sft"
            if recipe.train.objective == "dpo" else
+           "train.objective=grpo (a completion's log-probabilities are taken per whole row): use train.objective=sft"
+           if recipe.train.objective == "grpo" else
            f"model.attn_implementation={recipe.model.attn_implementation} (the split attention is sdpa's): use sdpa"
            if recipe.model.attn_implementation != "sdpa" else None)
     return why and f"engine.context_parallel=true does not run with {why}, or set engine.context_parallel=false"
@@ -304,6 +310,8 @@ class TrainConfig:
     save_final: bool = True  # write final/ (HF format, or a PEFT adapter with LoRA)
     # sft: next-token loss on the targets | dpo: preference pairs (data.format=preference; see the dpo section).
     # With dpo, micro_batch_size counts pairs: each forward runs 2 x micro_batch_size rows (chosen + rejected).
+    # grpo: online RL on prompts (data.format=prompt; see the grpo section): micro_batch_size counts prompts, each
+    # forward runs micro_batch_size x grpo.num_generations completions.
     objective: str = "sft"
     # Tokens per chunk of the fused head projection + cross-entropy (engine/loss.py): only C*V logits ever exist instead of
     # b*s*V (compute dtype + fp32 + fp32 gradient). 0 = off: full logits in one piece.
@@ -313,7 +321,8 @@ class TrainConfig:
     router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(self.objective in ("sft", "dpo"), "train.objective", f"must be sft or dpo, got {self.objective!r}")
+        _check(self.objective in ("sft", "dpo", "grpo"), "train.objective",
+               f"must be sft, dpo or grpo, got {self.objective!r}")
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
         known = ("tensorboard", "wandb", "mlflow")
@@ -367,6 +376,67 @@ class DpoConfig:
         _check(self.sft_warmup_steps >= 0, "dpo.sft_warmup_steps", f"must be >= 0, got {self.sft_warmup_steps}")
         _check(self.sft_warmup_steps == 0 or self.precompute_reference is not False, "dpo.precompute_reference",
                "false cannot follow an SFT warm-up (the reference is the warmed-up model): set it to null or true")
+
+
+@dataclass(kw_only=True)
+class GrpoConfig:
+    num_generations: int = 4  # completions sampled per prompt (a group: advantages are relative to its mean)
+    max_new_tokens: int = 64  # the longest completion (TRL's max_completion_length); stops earlier at EOS/turn end
+    temperature: float = 1.0  # sampling temperature (also divides the logits of the trained log-probs, as TRL)
+    top_p: float = 1.0  # nucleus sampling: keep the fewest tokens whose mass reaches top_p (1: off)
+    top_k: int = 0  # keep the k most likely tokens (0: off)
+    # grpo | dr_grpo | dapo | bnpo: how the token losses are averaged, as TRL's GRPOTrainer (dapo, its default: over
+    # the step's completion tokens; grpo: per completion, then over completions; dr_grpo: over completions x
+    # max_new_tokens; bnpo: over each micro-batch's tokens, so not exact across world sizes)
+    loss_type: str = "dapo"
+    epsilon: float = 0.2  # clip range of the probability ratio below 1 (and above, unless epsilon_high is set)
+    epsilon_high: float | None = None  # the clip above 1 (DAPO's clip-higher, e.g. 0.28); null: epsilon
+    # Weight of the k3 KL term to the reference (the base with adapters off: lora.enabled=true). 0: no reference
+    # forward (TRL's default)
+    beta: float = 0.0
+    # Optimizer steps on each batch of generations (TRL's num_iterations): with more than 1 the sampling policy's
+    # log-probs are kept and the ratio is clipped; the next prompts are sampled every num_iterations steps
+    num_iterations: int = 1
+    scale_rewards: str = "group"  # divide advantages by the std of the group | batch | none (as in Dr GRPO)
+    # Reward functions, summed with reward_weights: exact_match[:COLUMN], numeric_match[:COLUMN], format:REGEX,
+    # think_format, length_penalty:N, path/to/file.py:function or package.module:function (TRL's signature
+    # fn(prompts, completions, **columns) -> list[float]); see trainer/rewards.py
+    reward_funcs: list[str] = field(default_factory=lambda: ["exact_match"])
+    reward_weights: list[float] | None = None  # one weight per reward function (null: 1 each)
+
+    def __post_init__(self) -> None:
+        LOSS_TYPES, SCALE_REWARDS = ("grpo", "dr_grpo", "dapo", "bnpo"), ("group", "batch", "none")  # grpo_loss.py's
+        _check(self.num_generations >= 2, "grpo.num_generations",
+               f"must be >= 2 (advantages compare the completions of a prompt), got {self.num_generations}")
+        _check(self.max_new_tokens >= 1, "grpo.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        _check(self.temperature > 0, "grpo.temperature", f"must be > 0 (GRPO samples), got {self.temperature}")
+        _check(0 < self.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "grpo.top_k", f"must be >= 0 (0: off), got {self.top_k}")
+        _check(self.loss_type in LOSS_TYPES, "grpo.loss_type",
+               f"must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        _check(0 <= self.epsilon < 1, "grpo.epsilon", f"must be in [0, 1), got {self.epsilon}")
+        _check(self.epsilon_high is None or self.epsilon_high >= 0, "grpo.epsilon_high",
+               f"must be >= 0 (or null: grpo.epsilon), got {self.epsilon_high}")
+        _check(self.beta >= 0, "grpo.beta", f"must be >= 0, got {self.beta}")
+        _check(self.num_iterations >= 1, "grpo.num_iterations", f"must be >= 1, got {self.num_iterations}")
+        _check(self.scale_rewards in SCALE_REWARDS, "grpo.scale_rewards",
+               f"must be one of {', '.join(SCALE_REWARDS)}, got {self.scale_rewards!r}")
+        if isinstance(self.reward_funcs, str):
+            self.reward_funcs = [self.reward_funcs]
+        _check(isinstance(self.reward_funcs, (list, tuple)) and len(self.reward_funcs) > 0
+               and all(isinstance(f, str) and f for f in self.reward_funcs), "grpo.reward_funcs",
+               f"must be a non-empty list of reward function names, got {self.reward_funcs!r}")
+        self.reward_funcs = list(self.reward_funcs)
+        if self.reward_weights is not None:
+            _check(isinstance(self.reward_weights, (list, tuple)) and len(self.reward_weights) == len(self.reward_funcs)
+                   and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.reward_weights),
+                   "grpo.reward_weights", f"must be {len(self.reward_funcs)} numbers (one per grpo.reward_funcs "
+                   f"entry) or null, got {self.reward_weights!r}")
+            self.reward_weights = [float(w) for w in self.reward_weights]
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 @dataclass(kw_only=True)
@@ -430,6 +500,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)  # used with train.objective=dpo
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)  # used with train.objective=grpo
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
@@ -451,6 +522,17 @@ class Recipe:
                "model.dtype=fp32 with engine.mixed_precision=bf16 (bf16 compute, fp32 masters), or lora.enabled=true")
         _check(self.lora.quantize_base is None or self.lora.enabled, "lora.quantize_base",
                "quantizes the frozen base under LoRA only: set lora.enabled=true (or lora.quantize_base=null)")
+        if self.engine.compile:  # what a compiled block cannot trace yet (engine/compile.py); experts: moe_checks
+            _check(self.lora.quantize_base is None, "engine.compile",
+                   "QLoRA's NF4 weights do not trace yet (a tensor subclass dynamo refuses): set engine.compile=false")
+            _check(not self.data.packing, "engine.compile",
+                   "packed rows attend per document from host document lengths, one compile per batch's layout: "
+                   "set data.packing=false or engine.compile=false")
+            _check(not self.engine.context_parallel, "engine.compile",
+                   "context parallelism's collectives inside the attention are not compiled: set engine.compile=false")
+            _check(not self.engine.mlp_chunk_tokens, "engine.compile",
+                   "the MLP's chunk loop depends on the sequence length (a compile per length): set "
+                   "engine.mlp_chunk_tokens=0 or engine.compile=false")
         dpo = self.train.objective == "dpo"
         _check(dpo == (self.data.format == "preference"), "train.objective" if dpo else "data.format",
                f"objective {self.train.objective} with data.format={self.data.format}: dpo trains on "
@@ -458,6 +540,16 @@ class Recipe:
         _check(not dpo or self.lora.enabled or self.dpo.precompute_reference is not False, "dpo.precompute_reference",
                "false needs lora.enabled=true (the reference is the base with adapters off); full fine-tuning "
                "takes its reference log-probs precomputed: set it to true or null")
+        grpo = self.train.objective == "grpo"
+        _check(grpo == (self.data.format == "prompt"), "train.objective" if grpo else "data.format",
+               f"objective {self.train.objective} with data.format={self.data.format}: grpo samples completions of "
+               "data.format=prompt rows ({prompt, <reward columns>}); set both or neither")
+        _check(not grpo or self.grpo.beta == 0 or self.lora.enabled, "grpo.beta",
+               f"{self.grpo.beta} needs a reference model: the base with adapters off (lora.enabled=true); full "
+               "fine-tuning has no frozen copy yet: set grpo.beta=0")
+        _check(not (grpo and self.train.demo_eval), "train.demo_eval",
+               "decodes instruction rows; with train.objective=grpo set it to false (GRPO reports the held-out "
+               "reward: eval_reward)")
         _check(not (dpo and self.train.demo_eval), "train.demo_eval",
                "decodes instruction rows; with train.objective=dpo set it to false (DPO reports held-out reward "
                "accuracy: eval_reward_accuracy)")
