@@ -115,6 +115,14 @@ def init_process_group(device: torch.device, *, rank: int, world_size: int, time
     dist.barrier(group=host_group())
 
 
+def init_host_group_alone() -> None:
+    """`plan --simulate`: rank 0 stands alone for the world on the simulated GPU (no peers). Its host group is a gloo
+    group of itself, so the host agreements a real run makes run here too and agree on rank 0's values (every
+    rank's are alike there)."""
+    _HOST_GROUP.clear()
+    _HOST_GROUP.append(dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True))
+
+
 def host_group() -> Any:
     """Gloo over all ranks, for host tensors on purpose (agreement flags, DCP's object collectives, barriers)."""
     if not _HOST_GROUP:  # a process group set up by someone else (tests' gloo harness): it is the host group
@@ -507,6 +515,13 @@ def to_host(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: boo
         done.synchronize()
         return torch.zeros(tensor.shape, dtype=dtype or tensor.dtype)
     return tensor.to("cpu", dtype, copy=copy)
+
+
+def host_values(tensor: torch.Tensor) -> torch.Tensor | None:
+    """`to_host(tensor)` for a caller that branches on the values themselves (where documents start), or None on
+    the simulated GPU: the blocking copy is counted there as on CUDA, but its zeros would steer the branch wrong."""
+    host = to_host(tensor)
+    return None if tensor.is_meta else host
 
 
 def item(tensor: torch.Tensor) -> float:

@@ -110,8 +110,6 @@ class VocabTable:
         One round trip per forward: the embedding's call (`first`) also learns whether every rank has the same
         count; then a later use with that same count (the head over the same tokens, on every rank alike) needs no
         agreement."""
-        if accelerator.is_simulated(self.device):
-            return n  # the simulated GPU reads no values: every rank has the same shapes there
         if not first and n == _UNIFORM_TOKENS.get(self.group):
             return n
         t = torch.tensor([n, -n], dtype=torch.int64)

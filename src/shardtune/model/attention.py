@@ -65,10 +65,12 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     gqa = key.shape[1] != query.shape[1]
     window = kwargs.get("sliding_window")  # None on full-attention layers and models without one
     position_ids = kwargs.get("position_ids")
-    if doc_lengths is None and position_ids is not None and not position_ids.is_meta:
-        # A caller that did not pass its documents: read them from the device (a sync per layer on a GPU; the
-        # trainer's and eval's batches carry them). Meta tensors (plan --simulate) have no values: one per row.
-        doc_lengths = packing.doc_lengths(position_ids.expand(b, -1).cpu())
+    if doc_lengths is None and position_ids is not None:
+        # A caller that did not pass its documents: read them from the device (a sync per layer on a GPU, counted on
+        # the simulated one; the trainer's and eval's batches carry them). The simulated GPU has no values to read:
+        # one document per row there.
+        ids = accelerator.host_values(position_ids.expand(b, -1))
+        doc_lengths = packing.doc_lengths(ids) if ids is not None else None
     if (doc_lengths is None or all(len(row) == 1 for row in doc_lengths)) and (window is None or s <= window):
         return _sdpa(query, key, value, scaling, dropout, gqa).transpose(1, 2).contiguous(), None
     doc_lengths = doc_lengths or ((s,),) * b

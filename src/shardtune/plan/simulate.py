@@ -139,6 +139,7 @@ def _simulated_world(world: int, nodes: int) -> Iterator[None]:
     alone = standing_in_for_world()  # the hybrid groups made during setup too: no peers to match against
     alone.__enter__()
     dist.init_process_group(accelerator.SIM_BACKEND, store=dist.HashStore(), rank=0, world_size=world)
+    accelerator.init_host_group_alone()
     try:
         yield
     finally:
