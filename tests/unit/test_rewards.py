@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from shardtune.errors import UserError
-from shardtune.trainer.rewards import check_reward_specs, load_reward_funcs, score
+from shardtune.trainer.rewards import as_completions, check_reward_specs, load_reward_funcs, score
 
 
 def _score(specs, completions, columns=None, weights=None, **kw):
@@ -44,8 +44,10 @@ def test_length_penalty_counts_completion_tokens():
 
 
 def test_conversational_completions_are_read_as_their_content():
-    completions = [[{"role": "assistant", "content": "42"}], [{"role": "assistant", "content": "7"}]]
     prompts = [[{"role": "user", "content": "q"}]] * 2
+    completions = as_completions(prompts, ["42", "7"])
+    assert completions == [[{"role": "assistant", "content": "42"}], [{"role": "assistant", "content": "7"}]]
+    assert as_completions(["q"], ["42"]) == ["42"]  # string prompts: string completions, as TRL passes them
     _, per = _score(["exact_match"], completions, {"answer": ["42", "42"]}, prompts=prompts)
     assert per["exact_match"] == [1.0, 0.0]
 
@@ -109,7 +111,7 @@ def test_raising_function_names_itself_the_row_and_the_error(tmp_path, monkeypat
             return [1 / len(c) for c in completions]
     """
     msg = _error(src, ["bad.py:boom"], ["ok", "", "x"], tmp_path=tmp_path, rows=[7, 8, 9])
-    assert msg == "reward function 'bad.py:boom' raised ZeroDivisionError at data row 8: division by zero"
+    assert msg == "reward function 'bad.py:boom' raised ZeroDivisionError at data row 9: division by zero"
     msg = _error(src, ["bad.py:boom"], ["ok", ""], tmp_path=tmp_path)
     assert msg == "reward function 'bad.py:boom' raised ZeroDivisionError at completion 1: division by zero"
 
@@ -121,7 +123,7 @@ def test_wrong_length_and_non_number_are_one_line(tmp_path, monkeypatch):
                    "completion")
     msg = _error("def word(completions, **kw):\n    return [1.0, 'high']\n", ["bad.py:word"], ["a", "b"],
                  tmp_path=tmp_path, rows=[4, 5])
-    assert msg == ("reward function 'bad.py:word' returned 'high' (str) at data row 5: return a number (or None "
+    assert msg == ("reward function 'bad.py:word' returned 'high' (str) at data row 6: return a number (or None "
                    "where it does not apply)")
     msg = _error("def scalar(completions, **kw):\n    return 1.0\n", ["bad.py:scalar"], ["a", "b"], tmp_path=tmp_path)
     assert msg == "reward function 'bad.py:scalar' returned float, not a list: return one number per completion (2)"
@@ -163,3 +165,13 @@ def test_validate_check_refuses_a_missing_reward_column(tmp_path, monkeypatch):
     with pytest.raises(UserError) as e:
         check_reward_specs(["r.py:acc"], ["prompt"])
     assert "reads column 'solution'" in str(e.value)
+
+
+def test_trls_own_reward_function_runs_unchanged_and_agrees_with_the_builtin():
+    pytest.importorskip("trl.rewards")
+    prompts = [[{"role": "user", "content": "q"}]] * 4
+    texts = ["<think>\nwhy\n</think>\n42", "42", "<think>a</think><think>b</think>x", "<think>x</think>"]
+    total, per = _score(["trl.rewards:think_format_reward", "think_format"], as_completions(prompts, texts),
+                        prompts=prompts, completion_ids=[[1]] * 4, step=1)
+    assert per["trl.rewards:think_format_reward"] == per["think_format"] == [1.0, 0.0, 0.0, 1.0]
+    assert total == [2.0, 0.0, 0.0, 2.0]

@@ -55,6 +55,12 @@ def completion_text(completion: Any) -> str:
     return str(completion)
 
 
+def as_completions(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:
+    """Decoded completions as TRL hands them to reward functions: the text, or for a conversational prompt (a
+    message list) [{"role": "assistant", "content": text}]."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+
+
 def last_number(text: Any) -> float | None:
     found = _NUMBER.findall(str(text))
     if not found:
@@ -200,8 +206,8 @@ def score(funcs: Sequence[RewardFunc], weights: Sequence[float] | None, prompts:
           columns: dict[str, list[Any]], *, completion_ids: list[list[int]] | None = None, step: int = 0,
           rows: Sequence[int] | None = None) -> tuple[list[float], dict[str, list[float]]]:
     """Each function over the batch (one entry per completion: prompts and columns repeated per generation), and
-    the weighted total per completion. `rows`: each completion's data row, named in error lines (else its index
-    in the batch). A function that raises, returns the wrong count or a non-number is a UserError."""
+    the weighted total per completion. `rows`: each completion's 0-based data row (PromptRow.source_row), named
+    1-based in error lines as the data's own errors name rows (else the completion's index in the batch). A function that raises, returns the wrong count or a non-number is a UserError."""
     n = len(completions)
     assert len(prompts) == n and all(len(v) == n for v in columns.values()), "one prompt and row per completion"
     weights = list(weights) if weights is not None else [1.0] * len(funcs)
@@ -224,7 +230,7 @@ def _ignore(*_: Any, **__: Any) -> None:
 
 
 def _row(j: int, rows: Sequence[int] | None) -> str:
-    return f"data row {rows[j]}" if rows is not None else f"completion {j}"
+    return f"data row {rows[j] + 1}" if rows is not None else f"completion {j}"
 
 
 def _call(f: RewardFunc, kwargs: dict[str, Any], n: int, rows: Sequence[int] | None) -> list[float]:
