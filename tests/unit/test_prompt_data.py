@@ -127,3 +127,13 @@ def test_prepare_report_and_show_name_the_prompts_and_reward_columns(tmp_path):
     assert shown[0] == "example 1: row 1 of 3 (counting from 0), in the train split"
     assert shown[2] == MASK_OPEN + TOK.decode(_chat_ids(CHAT)) + MASK_CLOSE
     assert shown[-1] == 'columns for the reward functions: {"answer": "4", "level": 2}'
+
+
+def test_reward_columns_are_every_column_but_the_prompt(tmp_path):
+    from shardtune.data.check import reward_columns
+    from shardtune.trainer.rewards import check_reward_specs
+
+    path = _write(tmp_path, [{"question": "2+2?", "answer": "4", "level": 1}])  # `question` is read as the prompt
+    assert reward_columns(_cfg(path)) == ["answer", "level"]
+    with pytest.raises(UserError, match=r"grpo.reward_funcs\[0\] 'exact_match:question': reads column 'question'"):
+        check_reward_specs(["exact_match:question"], reward_columns(_cfg(path)))

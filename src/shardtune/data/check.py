@@ -109,6 +109,14 @@ def first_row(cfg: DataConfig) -> dict[str, Any] | None:
     return sample.rows[0][1] if sample.rows else None
 
 
+def reward_columns(cfg: DataConfig) -> list[str]:
+    """data.format=prompt: the columns the reward functions receive, read from the head of the first file (every
+    column but the prompt's, as data/prompts.py keeps them): what `validate` checks grpo.reward_funcs against."""
+    sample = _samples(sources(cfg)[0][0])[0]
+    prompt = resolve_fields(cfg, sample.columns, where=f"data.path '{sample.file}'").prompt_field
+    return sorted(c for c in sample.columns if c != prompt)
+
+
 def _sample_problems(cfg: DataConfig, sample: Sample, tok: PreTrainedTokenizerBase) -> list[str]:
     where = f"'{sample.file}'"
     problems = _head_problems(cfg, sample)
