@@ -153,6 +153,12 @@ def test_bad_spec_is_one_line(spec, expected, tmp_path, monkeypatch):
     assert str(e.value) == expected
 
 
+def test_a_spec_listed_twice_is_refused():
+    with pytest.raises(UserError) as e:
+        load_reward_funcs(["exact_match", "think_format", "exact_match"])
+    assert str(e.value) == "grpo.reward_funcs[2] 'exact_match': listed twice: give it once (a weight scales it)"
+
+
 def test_validate_check_refuses_a_missing_reward_column(tmp_path, monkeypatch):
     (tmp_path / "r.py").write_text("def acc(completions, solution, **kwargs):\n    return [0.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)

@@ -114,6 +114,9 @@ BUILTINS: dict[str, tuple[Callable[[str], Callable[..., list[float]]], str | Non
 
 def load_reward_funcs(specs: Sequence[str], *, recipe_dir: str | Path | None = None) -> list[RewardFunc]:
     """Each spec (see the module docstring) as a RewardFunc; a bad spec is a UserError naming it."""
+    for i, spec in enumerate(specs):
+        if spec in specs[:i]:  # the spec names its metrics and its per-function scores
+            raise UserError(f"{KEY}[{i}] '{spec}': listed twice: give it once (a weight scales it)")
     return [_load(spec, i, recipe_dir) for i, spec in enumerate(specs)]
 
 
