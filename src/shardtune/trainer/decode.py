@@ -1,5 +1,5 @@
 """Greedy decoding on a sharded model, bounded on the host: at most `max_new_tokens` forwards whatever the device
-reads back.
+reads back. The loop (`decode_tokens`) is shared with GRPO's sampling (trainer/sampling.py), which picks otherwise.
 
 Why not `model.generate`: its loop ends on a host read of the device (`unfinished.max() == 0`, and under
 `synced_gpus` an all-reduced flag). A read that never says "done" (the simulated GPU's reads are zeros) loops for
@@ -9,6 +9,8 @@ parameters with collectives, so all ranks run the largest `max_new_tokens` of an
 a host number) and the same early stop (an all-reduced count); a rank past its own budget decodes and drops.
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,20 @@ def greedy_decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
                   world_size: int = 1) -> torch.Tensor:
     """[b, s] prompts (left-padded where `attention_mask` says so) -> [b, s + max_new_tokens] token ids; a row
     that ended (EOS) is padded with `pad_token_id`. Tokens are those of transformers' greedy `generate`."""
+    new = decode_tokens(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                        stop_ids=() if eos_token_id is None else (eos_token_id,), world_size=world_size,
+                        pick=lambda logits, _: logits.argmax(-1))
+    return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+
+
+@torch.no_grad()
+def decode_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                  max_new_tokens: int, pad_token_id: int, stop_ids: Sequence[int], world_size: int,
+                  pick: Callable[[torch.Tensor, int], torch.Tensor],
+                  ended: torch.Tensor | None = None) -> torch.Tensor:
+    """The loop of greedy and sampled decoding: [b, s] prompts -> [b, <= max_new_tokens] new tokens, token i of
+    every row being `pick(logits [b, vocab] fp32, i)`; a row that drew one of `stop_ids` is padded after it with
+    `pad_token_id`. `ended` [b] bool: rows that take part in the forwards only (padded from the start)."""
     from transformers import DynamicCache
 
     device = input_ids.device
@@ -33,24 +49,23 @@ def greedy_decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     cache = DynamicCache(config=model.config)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's first token at position 0
     tokens, step_ids = [], input_ids
-    ended = torch.zeros(b, dtype=torch.bool, device=device)
+    ended = torch.zeros(b, dtype=torch.bool, device=device) if ended is None else ended
     with generation_attention(model):
         for i in range(steps):
             out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                         use_cache=True, logits_to_keep=1)
-            nxt = out.logits[:, -1].float().argmax(-1)
+            nxt = pick(out.logits[:, -1].float(), i)
             nxt = torch.where(ended, torch.full_like(nxt, pad_token_id), nxt)
-            if eos_token_id is not None:
-                ended = ended | (nxt == eos_token_id)
+            for stop in stop_ids:  # a few ids: compares on the device, no host list to copy over
+                ended = ended | (nxt == stop)
             if i < max_new_tokens:  # beyond this rank's own budget: forwards for the other ranks' collectives only
                 tokens.append(nxt)
             step_ids = nxt[:, None]
             mask = torch.cat([mask, mask.new_ones(b, 1)], dim=-1)
             positions = positions[:, -1:] + 1
-            if eos_token_id is not None and i + 1 < steps and _all_ended(ended, rows, world_size):
+            if stop_ids and i + 1 < steps and _all_ended(ended, rows, world_size):
                 break
-    new = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(b, 0)
-    return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+    return torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(b, 0)
 
 
 def _agreed(max_new_tokens: int, rows: int, world_size: int) -> tuple[int, int]:
