@@ -23,6 +23,7 @@ from shardtune.model.attention import attn_implementation
 from shardtune.model.experts import expert_modules, use_grouped_experts
 from shardtune.model.loading import build_empty, no_weights, weight_files
 from shardtune.model.rms_norm import use_fused_rms_norm
+from shardtune.model.rotary import use_fused_rotary
 from shardtune.model.seeded_init import init_full
 from shardtune.templates import resolve_chat_template
 
@@ -73,6 +74,7 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
         # calls torch's grouped kernel in any dtype, and on CUDA that kernel takes bf16 only (an fp32 run crashed)
         use_grouped_experts(model)
     use_fused_rms_norm(model)  # torch's fused rms_norm, transformers' arithmetic (model/rms_norm.py)
+    use_fused_rotary(model)  # q and k rotated together in 6 kernels each way, transformers' arithmetic (model/rotary.py)
     if cfg.init == "pretrained" or sharded_init:
         return model
     init_full(model, seed=seed, dtype=dtype, device=device)
