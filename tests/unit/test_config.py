@@ -71,7 +71,7 @@ def test_public_surface_snapshot():
     for k in ["model.config", "model.path", "model.tokenizer", "model.init", "lora.r", "lora.alpha", "lora.quantize_base",
               "lora.target_modules", "engine.backend", "engine.strategy", "engine.hybrid_shard_size", "engine.wrap",
               "engine.mixed_precision", "engine.reduce_dtype", "engine.activation_checkpointing", "engine.cpu_offload",
-              "engine.prefetch", "engine.backward_schedule", "engine.offload_activations", "engine.mlp_chunk_tokens", "engine.context_parallel", "data.path", "data.format", "data.seq_len", "data.packing", "data.cache_dir", "train.output_dir",
+              "engine.prefetch", "engine.backward_schedule", "engine.offload_activations", "engine.mlp_chunk_tokens", "engine.context_parallel", "engine.compile", "data.path", "data.format", "data.seq_len", "data.packing", "data.cache_dir", "train.output_dir",
               "data.text_field", "data.prompt_field", "data.input_field", "data.response_field", "data.template",
               "data.messages_field", "data.chat_style", "data.train_on_inputs", "model.chat_template", "train.epochs",
               "train.micro_batch_size", "train.grad_accum", "train.max_steps", "train.lr", "train.schedule",

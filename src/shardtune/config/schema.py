@@ -110,9 +110,9 @@ class EngineConfig:
     # 1/N each, and all-gather the keys and values before each attention: activations /N per rank, for the same
     # global batch read by N ranks. Our backend, SFT, models without sliding-window attention.
     context_parallel: bool = False
-    # Regional torch.compile: each decoder block's forward compiled once per run (fullgraph, dynamic sequence length;
-    # engine/compile.py), the engine's hooks outside it. Off: no GPU run has shown it faster yet, and it costs the
-    # first step the compile time (seconds to minutes per block class). Our backend; dense and LoRA models.
+    # Regional torch.compile: each decoder block's forward compiled once per run (fullgraph; rows padded to
+    # data.seq_len, data.packing=false; engine/compile.py), the engine's hooks outside it. Off: no GPU run has shown
+    # it faster yet, and it costs the first step the compile time (seconds to minutes). Our backend; dense and LoRA.
     compile: bool = False
 
     def __post_init__(self) -> None:

@@ -78,6 +78,13 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     if policy.mlp_chunk_tokens:
         apply_sequence_chunking(find_units(model, policy.unit_classes, policy.min_unit_params),
                                 chunk_tokens=policy.mlp_chunk_tokens)
+    if engine.compile and engine.backend == "shardtune":
+        # Compiled before checkpointing wraps the same forward: the order, from the outside in, is the engine's
+        # hooks (gather, free) -> the checkpoint -> the compiled block, so neither the hooks nor the recompute's
+        # bookkeeping is traced, and the recompute calls the same compiled graph again.
+        from shardtune.engine.compile import compile_units
+
+        compile_units(model, policy.unit_classes, policy.min_unit_params)
     ac = engine.activation_checkpointing
     if ac is not False:
         offloader = ActivationOffloader(device) if policy.offload_activations else None
@@ -94,6 +101,9 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     if engine.backend == "torch":
         from shardtune.engine import torch_backend
 
+        if engine.compile:
+            warnings.warn("engine.compile=true is ignored with engine.backend=torch: only our engine compiles its "
+                          "decoder blocks; set engine.backend=shardtune to compile them", stacklevel=2)
         if not engine.prefetch:
             warnings.warn("engine.prefetch=false is ignored with engine.backend=torch: FSDP2 always gathers the next "
                           "unit ahead in backward (shardtune plan counts it)", stacklevel=2)
