@@ -42,17 +42,23 @@ def _wrong_reversal(rng: random.Random, s: str) -> str:
 
 TASKS = {"reverse": _reverse, "sort": _sort, "add": _add}
 PREFERENCE_TASKS = {"prefer-reverse": "reverse"}  # name -> the task whose answer is the chosen response
+# GRPO (data.format=prompt): name -> the task whose rows become {prompt, answer}, the answer a column for the
+# reward functions (exact_match reads `answer`), never shown to the policy
+PROMPT_TASKS = {"prompt-reverse": "reverse"}
 
 
 def names() -> list[str]:
-    return sorted([*TASKS, *PREFERENCE_TASKS])
+    return sorted([*TASKS, *PREFERENCE_TASKS, *PROMPT_TASKS])
 
 
 def generate(name: str, num_samples: int, seed: int) -> list[dict[str, str]]:
-    """Distinct prompts (so eval rows never appear in training), as {prompt, response} rows, or for a preference
-    task {prompt, chosen, rejected} rows (chosen: the right answer; rejected: a wrong one)."""
+    """Distinct prompts (so eval rows never appear in training), as {prompt, response} rows, for a preference
+    task {prompt, chosen, rejected} rows (chosen: the right answer; rejected: a wrong one), for a prompt task
+    {prompt, answer} rows."""
     if name in PREFERENCE_TASKS:
         return _preference(name, num_samples, seed)
+    if name in PROMPT_TASKS:
+        return [{"prompt": r["prompt"], "answer": r["response"]} for r in generate(PROMPT_TASKS[name], num_samples, seed)]
     if name not in TASKS:
         raise KeyError(name)
     rng = random.Random(f"{name}-{seed}")

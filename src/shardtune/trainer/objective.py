@@ -284,4 +284,8 @@ def _precompute(model: nn.Module, rows: PairRows, rt: Runtime, b: int) -> np.nda
 
 
 def build_objective(recipe: Recipe, data: TokenizedData) -> SftObjective:
+    if recipe.train.objective == "grpo":
+        from shardtune.trainer.grpo import GrpoObjective  # imports this module
+
+        return GrpoObjective(recipe, data)
     return DpoObjective(recipe, data) if recipe.train.objective == "dpo" else SftObjective(recipe, data)

@@ -1,0 +1,154 @@
+"""GRPO's objective (trainer/grpo.py) through the real trainer on a 1-rank gloo group in this process: the trained
+log-probs are the sampler's at the completion tokens (the mask sits on the completions), advantages are the rewards'
+group-relative values, num_iterations > 1 keeps the sampling policy's log-probs (ratio 1 on the round's first step:
+the same loss as one pass) and reuses the round's completions; the global order of a step's figures over ranks; the
+schema's grpo checks. 2 ranks = 1 rank: tests/distributed/test_grpo.py; the CLI: tests/integration/test_grpo_train.py."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardtune.config.load import load_recipe
+from shardtune.trainer import grpo
+from shardtune.trainer.grpo_loss import group_advantages
+from shardtune.trainer.sampling import sample_completions
+from shardtune.trainer.train import setup, train_step
+
+REPO = Path(__file__).resolve().parents[2]
+# a dense reward from a file (random init never reverses a string: exact match alone gives only ties)
+REWARDS = f"grpo.reward_funcs=[exact_match,{REPO}/tests/unit/grpo_letters.py:letters]"
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    from shardtune.trainer.runtime import free_port
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield tmp_path_factory.mktemp("grpo")
+    dist.destroy_process_group()
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _run(tmp: Path, name: str, *extra: str):
+    recipe = load_recipe(REPO / "recipes" / "tiny-grpo-cpu.yaml", [
+        "model.path=null", "model.init=random", f"model.config={REPO}/configs/models/tiny-llama.json",
+        "data.num_samples=200", f"data.cache_dir={tmp}/cache", f"train.output_dir={tmp}/{name}",
+        "train.micro_batch_size=2", "train.grad_accum=2", "grpo.num_generations=4", "train.lr=1e-2",
+        "train.eval_batches=1", REWARDS, *extra])
+    return setup(recipe)
+
+
+def test_logps_mask_and_advantages_match_the_sampler_and_rewards(one_rank):
+    run = _run(one_rank, "pieces")
+    obj = run.objective
+    obj.before_step(run.model, run.rt, run.run_dir, 0, global_size=run.batches.global_size)
+    micro, _ = run.batches.step(0, 0)
+    rows = [r for mb in micro for r in obj.train_rows.take(mb.prompt_ids)]
+    completions, logprobs = sample_completions(
+        run.model, [r.ids for r in rows], keys=[(0, 0, int(i)) for mb in micro for i in mb.prompt_ids],
+        num_generations=4, max_new_tokens=8, temperature=1.0, stop_ids=[2], pad_id=0, prompts_per_batch=2, device="cpu",
+        logprobs=True)
+    total, _ = obj._score(rows, completions, 4, 0)
+    want_adv = group_advantages(torch.tensor(total, dtype=torch.float64), 4, scale_rewards="group").float()
+    assert torch.tensor(total).std() > 0  # the test means something: the groups are not all ties
+    got_adv = torch.cat([r.advantages for r in obj.rollouts])
+    assert torch.equal(got_adv, want_adv)
+    with torch.no_grad():
+        for a, r in enumerate(obj.rollouts):
+            lp = obj._token_logps(run.model, r.input_ids)
+            for i in range(r.input_ids.shape[0]):
+                c = a * 8 + i
+                on = r.mask[i].bool()
+                assert int(on.sum()) == len(completions[c])  # the mask covers the completion, EOS included
+                assert r.input_ids[i, 1:][on].tolist() == completions[c]
+                assert torch.allclose(lp[i][on], torch.tensor(logprobs[c]), atol=1e-5)
+    assert obj.norms == (16, sum(len(c) for c in completions))  # global counts: 1 rank, 2 x 2 prompts x 4
+
+
+def test_num_iterations_keeps_old_logps_and_reuses_the_round(one_rank):
+    one = [train_step(_run(one_rank, "iter1"), 0, None)]
+    run = _run(one_rank, "iter2", "grpo.num_iterations=2", "grpo.epsilon=0.01")
+    two = [train_step(run, s, None) for s in range(3)]
+    assert one[0]["loss"] != 0 and abs(two[0]["loss"] - one[0]["loss"]) <= 1e-6  # ratio 1: the same loss
+    assert two[0]["clip_ratio/region_mean"] == 0
+    same = ("reward", f"rewards/{REPO}/tests/unit/grpo_letters.py:letters/mean", "completions/mean_length", "frac_reward_zero_std")
+    assert all(two[1][k] == two[0][k] for k in same)  # step 2 trains on step 1's completions
+    assert two[1]["clip_ratio/region_mean"] > 0  # the policy moved: its ratio is clipped (epsilon 0.01)
+    assert any(two[2][k] != two[1][k] for k in same)  # step 3 samples a new round
+    keys = {"reward", "reward_std", "rewards/exact_match/mean", "rewards/exact_match/std", "frac_reward_zero_std",
+            "completions/mean_length", "completions/max_length", "clip_ratio/low_mean", "clip_ratio/high_mean",
+            "clip_ratio/region_mean", "gen_tokens_per_s", "prompts"}
+    assert keys <= two[0].keys() and "kl" not in two[0]  # beta 0: no KL
+    assert "start_eval_reward" in two[0] and "start_eval_reward" not in two[1]
+
+
+def test_the_steps_figures_are_gathered_in_global_order(monkeypatch):
+    """Rank r's micro-step a holds global completions [(a*W + r)*m, +m): all-gathered rows come back in that order,
+    and _local_slice picks a rank's own."""
+    world, accum, m = 2, 2, 3
+    glob = torch.arange(world * accum * m, dtype=torch.float64)
+    mine = [grpo._local_slice(r, world=world, accum=accum, per_micro=m) for r in range(world)]
+    assert mine[1].tolist() == [3, 4, 5, 9, 10, 11]
+    parts = [glob[s].view(1, -1) for s in mine]
+
+    def all_gather(out, local, group=None):
+        for o, p in zip(out, parts):
+            o.copy_(p)
+
+    monkeypatch.setattr(grpo.dist, "all_gather", all_gather)
+    monkeypatch.setattr(grpo.accelerator, "host_group", lambda: None)
+    assert torch.equal(grpo._gather_global(parts[0], world=world, accum=accum)[0], glob)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("grpo.num_generations=1", "grpo.num_generations: must be >= 2"),
+    ("grpo.loss_type=ppo", "grpo.loss_type: must be one of grpo, dr_grpo, dapo, bnpo, got 'ppo'"),
+    ("grpo.scale_rewards=std", "grpo.scale_rewards: must be one of group, batch, none, got 'std'"),
+    ("grpo.reward_weights=[1,2]", "grpo.reward_weights: must be 1 numbers"),
+    ("grpo.beta=0.04", "grpo.beta: 0.04 needs a reference model"),
+    ("data.format=instruction", "train.objective: objective grpo with data.format=instruction"),
+])
+def test_schema_refuses_bad_grpo_settings_in_one_line(override, message):
+    with pytest.raises(ValueError) as e:
+        load_recipe(REPO / "recipes" / "tiny-grpo-cpu.yaml", [override])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert load_recipe(REPO / "recipes" / "tiny-grpo-cpu.yaml", ["grpo.beta=0.04", "lora.enabled=true"]).grpo.beta
+
+
+def test_sft_with_prompt_data_is_one_line_exit_2_in_validate(capsys):
+    from tests.unit.cli_helpers import run_cli
+
+    code, _, err = run_cli(["validate", "tiny-grpo-cpu", "train.objective=sft"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "data.format: objective sft with data.format=prompt" in err, err
+
+
+def test_a_step_makes_positive_advantage_completions_likelier(one_rank):
+    """The loss's sign: after one small step, sum_i A_i (log p_new - log p_old) over the step's completions is > 0."""
+    run = _run(one_rank, "sign", "train.lr=1e-4", "train.grad_accum=1")
+    obj = run.objective
+    before = None
+
+    def logps():
+        with torch.no_grad():
+            return [(obj._token_logps(run.model, r.input_ids) * r.mask).sum(-1) for r in obj.rollouts]
+
+    orig = obj.before_step
+
+    def hooked(*a, **k):
+        nonlocal before
+        out = orig(*a, **k)
+        before = logps()
+        return out
+
+    obj.before_step = hooked
+    train_step(run, 0, None)
+    gain = sum(float((r.advantages * (new - old)).sum()) for r, new, old in zip(obj.rollouts, logps(), before))
+    assert gain > 0, gain
