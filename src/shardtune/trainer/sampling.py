@@ -33,7 +33,7 @@ def sample_completions(model: nn.Module, prompt_ids: list[list[int]], *, keys: S
                        num_generations: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                        top_k: int | None = None, stop_ids: Sequence[int], pad_id: int, world_size: int = 1,
                        device: torch.device | str, prompts_per_batch: int | None = None,
-                       logprobs: bool = False):
+                       logprobs: bool = False) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
     """`num_generations` completions of each prompt, a prompt's adjacent: len(prompt_ids) x num_generations lists of
     token ids, each ending at its first stop id (kept: the policy learns to emit it) or at `max_new_tokens`.
     `keys`: (seed, step, prompt id) per prompt, the draws' only randomness. `prompts_per_batch`: prompts per forward
