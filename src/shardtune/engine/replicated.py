@@ -6,11 +6,12 @@ contract: SUM, see api.py), once per optimizer step, in one collective over one 
 the step's last backward (async: it overlaps the wait for the units' last reductions, engine/unit.py _end_backward).
 
 Accumulation across micro-steps: a hook on each parameter takes the new local gradient before autograd
-accumulates it, adds it into `pending` (1D, fp32, every adapter) and hands autograd zeros instead. Every rank then
-computes the same sums in the same order: the replicas stay bit-identical (a "p.grad - local + sum" scheme would
-not: float rounding differs per rank and the copies drift). Autograd turns the zeros it gets for a parameter with
-no `.grad` into a dense tensor of zeros: a second hook, after accumulation, drops it again (0.39 GiB of zeros on a
-70B QLoRA otherwise, alive through every backward).
+accumulates it, adds it into `pending` (1D, fp32, every adapter) and hands autograd nothing to add: zeros where the
+parameter has a `.grad`, else the gradient itself, which autograd takes as `.grad` without a kernel and a second
+hook, after accumulation, drops again (kept, 0.39 GiB on a 70B QLoRA alive through every backward; zeros there would
+cost a fill and autograd's dense copy of them, two kernels per adapter per micro-batch). Every rank then computes the
+same sums in the same order: the replicas stay bit-identical (a "p.grad - local + sum" scheme would not: float
+rounding differs per rank and the copies drift).
 
 `shard_states=True` (engine.shard_adapter_states, ZeRO-2 for the adapters): each rank OWNS a contiguous run of the
 adapters (balanced by numel; rank r's laid out at r·M in `pending`, M = the largest rank's numel) and alone holds
@@ -130,11 +131,14 @@ class ReplicatedParams:
         a = self._offsets[i]
         self.pending[a:a + grad.numel()].add_(grad.reshape(-1))
         self._fresh[i] = self.params[i][1].grad is None
-        return grad.new_zeros(()).expand_as(grad)  # what autograd accumulates instead: nothing
+        # What autograd accumulates instead: nothing. With no .grad yet, the gradient itself, which autograd takes
+        # as .grad with no kernel and `_drop_zeros` drops (zeros here would cost two: the fill and autograd's dense
+        # copy of them); else zeros, added into the .grad there is.
+        return grad if self._fresh[i] else grad.new_zeros(()).expand_as(grad)
 
     def _drop_zeros(self, i: int) -> None:
         if self._fresh[i]:
-            self.params[i][1].grad = None  # the dense zeros autograd made of ours: p.grad stays "nothing reduced"
+            self.params[i][1].grad = None  # what autograd took of ours: p.grad stays "nothing reduced"
             self._fresh[i] = False
 
     def start_reduce(self) -> None:
