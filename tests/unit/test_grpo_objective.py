@@ -152,3 +152,15 @@ def test_a_step_makes_positive_advantage_completions_likelier(one_rank):
     train_step(run, 0, None)
     gain = sum(float((r.advantages * (new - old)).sum()) for r, new, old in zip(obj.rollouts, logps(), before))
     assert gain > 0, gain
+
+
+def test_progress_line_shows_the_grpo_figures():
+    from shardtune.trainer.progress import reward_parts
+
+    record = {"reward": 0.25, "reward_std": 0.4, "frac_reward_zero_std": 0.5, "completions/mean_length": 5.25,
+              "rewards/exact_match/mean": 0.25, "rewards/exact_match/std": 0.4, "rewards/a/b/f.py:fn/mean": 0.125,
+              "clip_ratio/region_mean": 0.01, "gen_tokens_per_s": 1234.0, "kl": 0.0012, "eval_reward": 0.5}
+    assert reward_parts(record) == ["reward 0.250±0.400", "zero_std 0.50", "len 5.2", "exact_match 0.250",
+                                    "f.py:fn 0.125", "kl 0.0012", "clip 0.010", "gen 1,234 tok/s",
+                                    "eval_reward 0.500"]
+    assert reward_parts({"loss": 1.0}) == []

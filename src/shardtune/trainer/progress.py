@@ -164,8 +164,20 @@ class ExportProgress:
 
 
 def reward_parts(record: dict[str, Any]) -> list[str]:
-    """DPO steps: reward accuracy on the batch (and on held-out pairs at eval steps)."""
+    """DPO steps: reward accuracy on the batch (and on held-out pairs at eval steps). GRPO steps: the sampled
+    completions' mean reward and its std, the share of groups that all scored alike (no signal), the mean completion
+    length, KL (grpo.beta > 0), the clipped share, generation tokens/s, and the held-out reward at eval steps."""
     parts = [f"reward_acc {record['reward_accuracy']:.2f}"] if "reward_accuracy" in record else []
     if "eval_reward_accuracy" in record:
         parts.append(f"eval_reward_acc {record['eval_reward_accuracy']:.2f}")
+    if "reward" in record:
+        parts += [f"reward {record['reward']:.3f}±{record['reward_std']:.3f}",
+                  f"zero_std {record['frac_reward_zero_std']:.2f}", f"len {record['completions/mean_length']:.1f}"]
+        funcs = [k for k in record if k.startswith("rewards/") and k.endswith("/mean")]
+        if len(funcs) > 1:  # each function's mean, named by the spec's last path part (a file's name:function)
+            parts += [f"{k[8:-5].rsplit('/', 1)[-1]} {record[k]:.3f}" for k in funcs]
+        parts += [f"kl {record['kl']:.4f}"] if "kl" in record else []
+        parts += [f"clip {record['clip_ratio/region_mean']:.3f}", f"gen {record['gen_tokens_per_s']:,.0f} tok/s"]
+    if "eval_reward" in record:
+        parts.append(f"eval_reward {record['eval_reward']:.3f}")
     return parts
