@@ -208,6 +208,24 @@ def test_a_list_or_section_given_one_value_names_the_fix(override, line, capsys)
     assert code == 2 and err.strip() == line, err
 
 
+@pytest.mark.parametrize("override,line", [
+    ("dpo.beta=abc", "error: override: key 'dpo.beta' takes a number, got 'abc': write e.g. dpo.beta=0.1 (its default)"),
+    ("train.grad_accum=[1,2]", "error: override: key 'train.grad_accum' takes a whole number, got '[1, 2]': write "
+     "e.g. train.grad_accum=1 (its default)"),
+    ("train.max_steps=ten", "error: override: key 'train.max_steps' takes a whole number, got 'ten': "
+     "`shardtune keys train.max_steps` says what it means"),  # no example where the default is null
+    ("data.seq_len=1e3", "error: override: key 'data.seq_len' takes a whole number, got '1e3': write e.g. "
+     "data.seq_len=512 (its default)"),
+    ("engine.cpu_offload=maybe", "error: override: key 'engine.cpu_offload' takes true or false, got 'maybe': write "
+     "e.g. engine.cpu_offload=false (its default)"),
+])
+def test_a_value_of_the_wrong_type_names_the_type_and_an_example(override, line, capsys):
+    """Issue 59's probe: OmegaConf's "Value 'abc' of type 'str' could not be converted to Float" named the key but no
+    fix. The line says what the key takes and shows its default as a value that parses."""
+    code, _, err = run_cli(["validate", "tiny-cpu", override], capsys)
+    assert code == 2 and err.strip() == line, err
+
+
 def test_the_same_in_a_recipe_file(tmp_path, capsys):
     section = tmp_path / "section.yaml"
     section.write_text("lora: true\n")

@@ -18,6 +18,7 @@ from omegaconf import __version__ as omegaconf_version
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from shardtune.bundled import DATA_DIR, RECIPES_DIR
+from shardtune.config.keys import schema_keys
 from shardtune.config.model_folder import apply_model_folder
 from shardtune.config.overrides import SAFE_LOADER, check_section_value, parse_overrides
 from shardtune.config.schema import Recipe
@@ -89,9 +90,26 @@ def _friendly(err: Exception, source: str) -> UserError:
                f"{key.rsplit('.', 1)[-1]}: [{', '.join(items)}]")
         return UserError(f"{source}: key '{key}' takes a list, got {getattr(err, 'value', None)!r}: write {fix} "
                          "(a YAML list, in brackets)")
+    wanted = re.search(r"could not be converted to (Float|Integer)|is not a valid (bool)", msg)
+    if wanted and key:
+        return _wrong_type(msg, key, source, wanted.group(1) or wanted.group(2))
     if key:
         return UserError(f"{source}: key '{key}': {msg}")
     return UserError(f"{source}: {msg}")
+
+
+_TAKES = {"Float": "a number", "Integer": "a whole number", "bool": "true or false"}
+
+
+def _wrong_type(msg: str, key: str, source: str, wanted: str) -> UserError:
+    """A value OmegaConf cannot convert ("Value 'abc' of type 'str' could not be converted to Float"): what the key
+    takes, and its default as a value that parses (none where the default is null)."""
+    got = (re.findall(r"Value '(.*?)' (?:of type|is not)", msg) or ["?"])[0]
+    default = next((k.default for k in schema_keys() if k.key == key), "null")
+    fix = (f"`shardtune keys {key}` says what it means" if default == "null" else
+           f"write e.g. {key}={default} (its default)" if source == "override" else
+           f"write e.g. {key.rsplit('.', 1)[-1]}: {default} (its default)")
+    return UserError(f"{source}: key '{key}' takes {_TAKES[wanted]}, got '{got}': {fix}")
 
 
 _ONE_COLUMN = ("data.prompt_field", "data.response_field", "data.input_field", "data.text_field",
