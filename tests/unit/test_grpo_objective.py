@@ -164,3 +164,18 @@ def test_progress_line_shows_the_grpo_figures():
                                     "f.py:fn 0.125", "kl 0.0012", "clip 0.010", "gen 1,234 tok/s",
                                     "eval_reward 0.500"]
     assert reward_parts({"loss": 1.0}) == []
+
+
+def test_a_grpo_eval_step_prints_its_line():
+    """GRPO's evals have no eval_loss: eval_reward makes the step's plain line due, as eval_loss does."""
+    import io
+
+    from shardtune.trainer.progress import PlainProgress
+
+    out = io.StringIO()
+    p = PlainProgress(max_steps=100, start_step=0, log_every=20, out=out)
+    base = {"loss": 0.0, "lr": 1e-3, "tokens": 10, "step_time_s": 1.0, "epoch": 0.1}
+    for step in (1, 2, 3):
+        p.update({**base, "step": step, **({"eval_reward": 0.5} if step == 3 else {})})
+    assert [ln.split()[1] for ln in out.getvalue().splitlines()] == ["1/100", "3/100"]
+    assert "eval_reward 0.500" in out.getvalue().splitlines()[1]

@@ -46,7 +46,7 @@ class PlainProgress:
         self.records.append(record)
         step = record["step"]
         due = (step == self.start_step + 1 or step % self.log_every == 0 or step == self.max_steps
-               or "eval_loss" in record or record.get("skipped"))
+               or "eval_loss" in record or "eval_reward" in record or record.get("skipped"))
         if due:
             self.show(self._line(self.records[self._window_start:]))
             self._window_start = len(self.records)
