@@ -42,3 +42,18 @@ def test_off_by_default_and_unpacked_dense_validates(capsys):
     assert load_recipe("tiny-cpu", []).engine.compile is False
     code, out, err = run_cli(["validate", "tiny-cpu", *UNPACKED], capsys)
     assert code == 0, (out, err)
+
+
+def test_the_cpu_memory_tracker_under_compile_is_a_user_error():
+    """train.profile_memory on CPU is a dispatch mode (memory.py), which dynamo cannot trace under: the worker says
+    so in one line (a UserError, exit 2) before the first step, instead of a traceback from inside dynamo."""
+    import torch
+
+    from shardtune.errors import UserError
+    from shardtune.trainer.train import _memory_tracker
+
+    with pytest.raises(UserError, match=r"^train\.profile_memory: .* set train\.profile_memory=false or engine\."):
+        _memory_tracker(True, torch.device("cpu"), "shardtune", compiled=True)
+    tracker = _memory_tracker(True, torch.device("cpu"), "shardtune", compiled=False)  # eager: measured as before
+    assert tracker is not None
+    tracker.stop()

@@ -23,6 +23,7 @@ from shardtune.config.schema import TrainConfig
 from shardtune.data import GlobalBatches, TokenizedData
 from shardtune.data.ranks import prepare_for_ranks
 from shardtune.engine.api import ShardedModel
+from shardtune.errors import UserError
 from shardtune.hub import fetch_for_ranks, is_hub_id
 from shardtune.model import context_parallel
 from shardtune.model.build import build_model, build_tokenizer, check_vocab, load_config
@@ -75,7 +76,7 @@ def train(recipe: Recipe) -> dict:
     log = MetricsLog(run.run_dir, max_steps=max_steps, enabled=rt.is_main, start_step=start_step,
                      log_every=cfg.log_every, show_epoch=cfg.epochs is not None, report_to=cfg.report_to,
                      config=asdict(recipe))
-    tracker = _memory_tracker(cfg.profile_memory, rt.device, recipe.engine.backend)
+    tracker = _memory_tracker(cfg.profile_memory, rt.device, recipe.engine.backend, compiled=recipe.engine.compile)
     stop = StopRequest()
     demo = demo_samples(run.data, cfg.demo_eval_samples, announce=rt.is_main) if cfg.demo_eval else []
     acc_before, before_note = accuracy_before(run.model, run.tok, demo, rt, start_step=start_step,
@@ -278,10 +279,14 @@ def resume(run: Run) -> int:
     return step
 
 
-def _memory_tracker(enabled: bool, device: torch.device, backend: str):
+def _memory_tracker(enabled: bool, device: torch.device, backend: str, *, compiled: bool):
     if not enabled:
         return None
-    from shardtune.memory import memory_tracker
+    from shardtune.memory import CpuMemoryTracker, memory_tracker
 
     # CPU: a dispatch mode over live storages (slows steps ~2-5x); our engine reports each storage it resizes
-    return memory_tracker(device, resizes_reported=backend == "shardtune").start()
+    tracker = memory_tracker(device, resizes_reported=backend == "shardtune")
+    if compiled and isinstance(tracker, CpuMemoryTracker):  # dynamo refuses to trace under a dispatch mode
+        raise UserError("train.profile_memory: the CPU memory tracker is a dispatch mode that compiled blocks cannot "
+                        "run under: set train.profile_memory=false or engine.compile=false")
+    return tracker.start()
