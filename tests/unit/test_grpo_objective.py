@@ -179,3 +179,13 @@ def test_a_grpo_eval_step_prints_its_line():
         p.update({**base, "step": step, **({"eval_reward": 0.5} if step == 3 else {})})
     assert [ln.split()[1] for ln in out.getvalue().splitlines()] == ["1/100", "3/100"]
     assert "eval_reward 0.500" in out.getvalue().splitlines()[1]
+
+
+def test_lora_reference_is_the_base_with_adapters_off(one_rank):
+    """grpo.beta > 0 under LoRA: the reference log-probs are the base's (adapters off). At step 1 the adapters are
+    zero (policy = reference): KL 0; after a step the policy moved from the base: KL > 0."""
+    run = _run(one_rank, "lora", "lora.enabled=true", "lora.r=4", "grpo.beta=0.04", "train.lr=5e-2")
+    records = [train_step(run, s, None) for s in range(2)]
+    assert abs(records[0]["kl"]) < 1e-7 and records[1]["kl"] > 1e-6, [r["kl"] for r in records]
+    r = run.objective.rollouts[0]
+    assert r.ref_logps is not None and r.old_logps is None  # one pass per round: no kept log-probs
