@@ -189,3 +189,15 @@ def test_lora_reference_is_the_base_with_adapters_off(one_rank):
     assert abs(records[0]["kl"]) < 1e-7 and records[1]["kl"] > 1e-6, [r["kl"] for r in records]
     r = run.objective.rollouts[0]
     assert r.ref_logps is not None and r.old_logps is None  # one pass per round: no kept log-probs
+
+
+def test_round_metrics_are_trls_figures_over_the_global_batch():
+    from shardtune.trainer.runtime import Runtime
+
+    # 2 groups of 2: totals [1, 0 | 0.5, 0.5]; one function; clipped [0, 1, 0, 0]; lengths [3, 8, 4, 5]
+    glob = torch.tensor([[1, 0, .5, .5], [1, 0, .5, .5], [0, 1, 0, 0], [3, 8, 4, 5]], dtype=torch.float64)
+    m = grpo._round_metrics(glob, ["f"], 2, 2.0, Runtime(0, 1, 0, torch.device("cpu")))
+    want_std = torch.tensor([1, 0, .5, .5], dtype=torch.float64).std().item()
+    assert m == {"reward": 0.5, "reward_std": want_std, "rewards/f/mean": 0.5, "rewards/f/std": want_std,
+                 "frac_reward_zero_std": 0.5, "completions/mean_length": 5.0, "completions/min_length": 3.0,
+                 "completions/max_length": 8.0, "completions/clipped_ratio": 0.25, "gen_tokens_per_s": 10.0}

@@ -38,7 +38,7 @@ from shardtune.data.prompts import PromptRow, PromptRows
 from shardtune.trainer.grpo_loss import group_advantages, policy_loss, stats_means
 from shardtune.trainer.objective import SftObjective, adapters_disabled
 from shardtune.trainer.rewards import load_reward_funcs, score
-from shardtune.trainer.runtime import Runtime
+from shardtune.trainer.runtime import Runtime, host_max
 from shardtune.trainer.sampling import sample_completions
 
 STATS = ("num_tokens", "clip_low_tokens", "clip_high_tokens", "clip_region_tokens", "kl_sum")
@@ -132,15 +132,17 @@ class GrpoObjective(SftObjective):
         gen_time = time.perf_counter() - t0
         total, per_func = self._score(rows, completions, g, step)
         lengths = [len(c) for c in completions]
+        stops = set(self._stop_ids())
+        clipped = [float(not c or c[-1] not in stops) for c in completions]  # TRL's: no EOS at the end
         # The step's figures over every rank, in the global batch's order (micro-step, then rank): the host group
-        local = torch.tensor([total, *per_func.values(), lengths], dtype=torch.float64)  # [k, n]
+        local = torch.tensor([total, *per_func.values(), clipped, lengths], dtype=torch.float64)  # [k, n]
         glob = _gather_global(local, world=rt.world_size, accum=t.grad_accum)  # [k, N]
         adv_all = group_advantages(glob[0], g, scale_rewards=cfg.scale_rewards)
         n_local = len(completions)
         mine = _local_slice(rt.rank, world=rt.world_size, accum=t.grad_accum, per_micro=n_local // t.grad_accum)
         advantages = adv_all[mine].float()
         self.norms = (glob.shape[1], int(glob[-1].sum()))
-        self.round_metrics = _round_metrics(glob, list(per_func), g, cfg.max_new_tokens, gen_time, rt)
+        self.round_metrics = _round_metrics(glob, list(per_func), g, gen_time, rt)
         self.rollouts = []
         per_micro = b * g
         for a in range(t.grad_accum):
@@ -302,12 +304,12 @@ def _local_slice(rank: int, *, world: int, accum: int, per_micro: int) -> torch.
                       for a in range(accum)])
 
 
-def _round_metrics(glob: torch.Tensor, names: list[str], g: int, max_new_tokens: int, gen_time: float,
-                   rt: Runtime) -> dict[str, float]:
-    """TRL's logged names, over the global batch: reward, reward_std, rewards/<f>/mean|std, frac_reward_zero_std,
-    completions/mean|min|max_length, completions/clipped_ratio; plus generation tokens/s (all ranks' tokens over the
+def _round_metrics(glob: torch.Tensor, names: list[str], g: int, gen_time: float, rt: Runtime) -> dict[str, float]:
+    """TRL's logged names, over the global batch ([total, *per function, clipped, length] x completions): reward,
+    reward_std, rewards/<f>/mean|std, frac_reward_zero_std, completions/mean|min|max_length,
+    completions/clipped_ratio (no stop token at the end); plus generation tokens/s (all ranks' tokens over the
     slowest rank's sampling time)."""
-    total, lengths = glob[0], glob[-1]
+    total, clipped, lengths = glob[0], glob[-2], glob[-1]
     std = lambda x: float(x.std()) if x.numel() > 1 else 0.0  # noqa: E731
     out = {"reward": float(total.mean()), "reward_std": std(total)}
     for i, name in enumerate(names):
@@ -317,9 +319,7 @@ def _round_metrics(glob: torch.Tensor, names: list[str], g: int, max_new_tokens:
     out["frac_reward_zero_std"] = float((groups.std(dim=1) < 1e-12).double().mean())
     out.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                 "completions/max_length": float(lengths.max()),
-                "completions/clipped_ratio": float((lengths >= max_new_tokens).double().mean())})
-    from shardtune.trainer.runtime import host_max
-
+                "completions/clipped_ratio": float(clipped.mean())})
     slowest = gen_time if rt.world_size == 1 else host_max(gen_time)
     out["gen_tokens_per_s"] = float(lengths.sum()) / max(slowest, 1e-9)
     return out
