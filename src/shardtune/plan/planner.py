@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from shardtune.config.load import load_recipe
 from shardtune.config.schema import Recipe, check_world
+from shardtune.errors import UserError
 from shardtune.plan.estimate import Setup, estimate
 from shardtune.plan.hardware import GiB, HardwareProfile, planned_profile
 from shardtune.plan.headroom import headroom_advice
@@ -19,7 +20,12 @@ def world_of(recipe: Recipe) -> tuple[int, int]:
     n = recipe.launch.nproc_per_node
     if isinstance(n, int):
         return n * nodes, nodes
-    return recipe.hardware.num_gpus, nodes
+    gpus = recipe.hardware.num_gpus
+    if gpus % nodes:  # every node runs the same number of workers
+        raise UserError(f"hardware.num_gpus={gpus} (the job's GPUs, all nodes together) does not split evenly over "
+                        f"launch.nnodes={nodes}: set hardware.num_gpus to a multiple of {nodes}, or "
+                        "launch.nproc_per_node to the GPUs per node")
+    return gpus, nodes
 
 
 def plan_recipe(recipe: Recipe, *, stats: ModelStats | None = None, setup: Setup | None = None,

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shardtune.bundled import RECIPES_DIR
 from shardtune.plan import make_plan
 
@@ -25,3 +27,17 @@ def test_keys_and_recipes_say_what_plan_does_with_num_gpus() -> None:
              if re.match(r"\s*num_gpus:", ln)]
     assert lines
     assert all(ln.split("#", 1)[-1].strip() == "all nodes together" for _, ln in lines), lines
+
+
+@pytest.mark.parametrize("overrides,gpus,nodes", [(["launch.nnodes=3"], 2, 3),
+                                                  (["launch.nnodes=2", "hardware.num_gpus=3"], 3, 2)])
+def test_gpus_that_do_not_split_over_the_nodes_are_one_line(overrides, gpus, nodes) -> None:
+    """Issue 59's repeat probe: 2 GPUs over 3 nodes planned "world 2 (3 node(s))", a job no launcher can start
+    (each node runs the same number of workers)."""
+    from shardtune.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        make_plan("mistral-7b-lora-2x24gb", overrides)
+    assert str(e.value) == (f"hardware.num_gpus={gpus} (the job's GPUs, all nodes together) does not split evenly "
+                            f"over launch.nnodes={nodes}: set hardware.num_gpus to a multiple of {nodes}, or "
+                            "launch.nproc_per_node to the GPUs per node")
