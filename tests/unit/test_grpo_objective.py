@@ -54,7 +54,7 @@ def test_logps_mask_and_advantages_match_the_sampler_and_rewards(one_rank):
     rows = [r for mb in micro for r in obj.train_rows.take(mb.prompt_ids)]
     completions, logprobs = sample_completions(
         run.model, [r.ids for r in rows], keys=[(0, 0, int(i)) for mb in micro for i in mb.prompt_ids],
-        num_generations=4, max_new_tokens=8, temperature=1.0, stop_ids=[2], pad_id=0, prompts_per_batch=2, device="cpu",
+        num_generations=4, max_new_tokens=8, temperature=obj.cfg.temperature, stop_ids=[2], pad_id=0, prompts_per_batch=2, device="cpu",
         logprobs=True)
     total, _ = obj._score(rows, completions, 4, 0)
     want_adv = group_advantages(torch.tensor(total, dtype=torch.float64), 4, scale_rewards="group").float()
