@@ -101,47 +101,60 @@ def step_time(hw: HardwareProfile, counts: dict[str, Any], *, tokens: int, link_
 
 
 # -- the analytic launch estimate (plan, plan --fit: no simulated step) -------------------------------------------
-# Launches per decoder layer per micro-step, (forward, recompute, backward), counted on the simulated GPU for the
-# 1.24B Llama at 2,048 tokens (the difference between its 8- and 16-layer twins; bench/launch_counts.py,
-# RESULTS "Kernel launches per step"): the full fine-tuning layer, what each LoRA-adapted Linear adds, what each NF4
-# tile adds (engine/nf4_linear.py: one tile per weight at that size). Counted at one commit: the code that issues
-# them changes (fewer launches is issue 58's next work), so these are re-measured with it, and --simulate counts.
-LAYER_LAUNCHES = (40, 35, 77)
-ADAPTER_LAUNCHES = (4, -1, 9)  # per adapted Linear (its recompute runs as part of the frozen base's)
-TILE_LAUNCHES = (8, 5, 11)  # per NF4 tile of a layer's weights
-FIXED_LAUNCHES = {False: 230, True: 70}  # per micro-step outside the layers (embedding, head, loss), by LoRA
-OPTIMIZER_LAUNCHES = {False: 2, True: 2}  # per layer per step (full: one flat buffer; LoRA: per adapter tensor / 7)
-FSDP2_FACTOR = 1.23  # FSDP2's layer against ours (LoRA: 288 against 235 launches a layer a micro-step)
+# Launches per decoder layer per micro-step, (forward, recompute, backward), counted on the simulated GPU at 364d738
+# on the 1.24B Llama at 2,048 tokens, bf16, checkpointing, 1 rank, cut to 1 and 2 decoder layers (the difference is
+# one layer; tests/simulated/test_launch_estimate.py holds the estimate to the count): the full fine-tuning layer;
+# what each LoRA-adapted Linear adds to it (LoRA minus full, / 7); what each NF4 weight adds (QLoRA minus LoRA, / 7:
+# one tile each at 64 MB); what each further tile adds (engine.nf4_tile_mb=1, 116 tiles a layer, against 7); what
+# each further MLP chunk adds (engine.mlp_chunk_tokens=1024: 2 chunks; measured under QLoRA, so its NF4 MLP
+# weights re-run once more are in it). The code that issues them changes (issue 58 cuts launches): a cut that forgets
+# these numbers fails that test; re-measure them as it says.
+LAYER_LAUNCHES = (28, 17, 53)
+ADAPTER_LAUNCHES = (26 / 7, -6 / 7, 49 / 7)  # per adapted Linear (its recompute runs as part of the frozen base's)
+ADAPTER_REPLICA_LAUNCHES = (0, 0, 2)  # per adapted Linear on > 1 rank: its gradients into the replicated bucket
+NF4_WEIGHT_LAUNCHES = (19 / 7, 38 / 7, 77 / 7)  # per NF4 weight of a layer (its first tile, its block scalers)
+TILE_LAUNCHES = (436 / 109, 0, 920 / 109)  # per further NF4 tile (row tiles forward, column slabs backward)
+MLP_CHUNK_LAUNCHES = (102, -15, 283)  # per further chunk of engine.mlp_chunk_tokens, per layer
+FIXED_LAUNCHES = {"full": 216, "lora": 63, "qlora": 99}  # per micro-step outside the layers (embedding, head, loss)
+OPTIMIZER_LAUNCHES = {False: 36, True: 31}  # per step: foreach AdamW over all tensors, the next batch's copies
+FSDP2_FACTOR = 1.42  # FSDP2's launches against ours (1B LoRA at 4 x 2,048: 15,573 against 10,983)
 
 
 def estimated_launches(plan: Any) -> int:
     """Kernel launches per optimizer step from the recipe's shape (the constants above): per micro-step, each layer's
-    forward and backward, its recompute under checkpointing (every k-th layer for an int k), and the NF4 tiles
-    (the MLP's once per MLP chunk); then the optimizer. Collectives: one per gathered unit and pass, one reduce-scatter per trainable unit."""
+    forward and backward, its recompute under checkpointing (every k-th layer for an int k), its adapters and NF4
+    weights and tiles (the MLP's once per MLP chunk); then the optimizer. Collectives: one per gathered unit and pass,
+    one reduce-scatter per trainable unit."""
     import math
 
     from shardtune.plan.estimate import linear_targets
 
     s, layers = plan.setup, plan.stats.dims.num_layers
     adapted = len(linear_targets(plan.stats)) if s.lora else 0
-    tiles = 0
+    chunks = math.ceil(s.micro_batch * s.local_seq / s.mlp_chunk) if s.mlp_chunk else 1
+    weights = extra_tiles = 0
     if s.nf4:
         per_tile = s.nf4_tile_bytes or 1 << 62  # torchao: the whole weight at once
         # engine.mlp_chunk_tokens (model/tiled_mlp.py): each chunk of tokens runs the MLP's weights, tiles and all
-        chunks = math.ceil(s.micro_batch * s.local_seq / s.mlp_chunk) if s.mlp_chunk else 1
-        tiles = sum(math.ceil(math.prod(shape) * s.compute.itemsize / per_tile) * (chunks if ".mlp." in name else 1)
-                    for u in plan.estimate.units for name, shape in u.quantized_weights) // max(1, layers)
+        for u in plan.estimate.units:
+            for name, shape in u.quantized_weights:
+                weights += 1
+                tiles = math.ceil(math.prod(shape) * s.compute.itemsize / per_tile)
+                extra_tiles += (tiles - 1) * (chunks if ".mlp." in name else 1)
+        weights, extra_tiles = weights / max(1, layers), extra_tiles / max(1, layers)
     recompute = 0.0 if s.checkpointing is False else 1.0 / (1 if s.checkpointing is True else int(s.checkpointing))
-    passes = (1.0, recompute, 1.0)
-    layer = sum(p * (base + adapted * a + tiles * t)
-                for p, base, a, t in zip(passes, LAYER_LAUNCHES, ADAPTER_LAUNCHES, TILE_LAUNCHES, strict=True))
+    replicas = adapted if s.world > 1 else 0
+    layer = sum(p * (base + adapted * a + replicas * r + weights * w + extra_tiles * t + (chunks - 1) * c)
+                for p, base, a, r, w, t, c in zip((1.0, recompute, 1.0), LAYER_LAUNCHES, ADAPTER_LAUNCHES,
+                                                  ADAPTER_REPLICA_LAUNCHES, NF4_WEIGHT_LAUNCHES, TILE_LAUNCHES,
+                                                  MLP_CHUNK_LAUNCHES, strict=True))
     if s.backend == "torch":
         layer *= FSDP2_FACTOR
-    micro = layers * layer + FIXED_LAUNCHES[s.lora]
+    micro = layers * layer + FIXED_LAUNCHES["qlora" if s.nf4 else "lora" if s.lora else "full"]
     units = len(plan.estimate.units)
     gathers = (2 if s.strategy in ("full_shard", "hybrid_shard") else 1) if s.shard_size > 1 else 0
     comm = units * gathers + (units if not s.lora and s.world > 1 else 0)
-    return int(s.grad_accum * (micro + comm) + layers * OPTIMIZER_LAUNCHES[s.lora] + 1)
+    return round(s.grad_accum * (micro + comm) + OPTIMIZER_LAUNCHES[s.lora] + 1)
 
 
 def estimated_host_s(plan: Any) -> float:

@@ -1,0 +1,40 @@
+"""`plan`'s analytic launch estimate (plan/roofline.py estimated_launches: the verdict line without --simulate,
+`plan --fit`'s ranking) against the count `plan --simulate` makes, on the 1.24B Llama cut to 2 decoder layers (full
+width, 2,048 tokens, bf16, checkpointing: what the estimate's constants were measured on). A launch cut that forgets
+the estimate fails here: re-measure its constants as roofline.py says (1- and 2-layer simulations)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardtune.plan import make_plan
+from shardtune.plan.roofline import estimated_launches
+from shardtune.plan.simulate import simulate
+
+RECIPE = "llama-3.1-8b-lora-1x24gb"
+SHAPE = ["data.seq_len=2048", "train.grad_accum=1", "hardware.gpu=rtx4090-24gb"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory: pytest.TempPathFactory) -> str:
+    config = json.loads((REPO / "configs/models/llama-3.2-1b.json").read_text())
+    config["num_hidden_layers"] = 2
+    path = tmp_path_factory.mktemp("launch-estimate") / "llama-3.2-1b-2-layers.json"
+    path.write_text(json.dumps(config))
+    return f"model.config={path}"
+
+
+@pytest.mark.parametrize("mode", [["lora.enabled=false"], [], ["lora.quantize_base=nf4"]],
+                         ids=["full", "lora", "qlora"])
+def test_estimate_within_ten_percent_of_the_simulated_count(two_layers: str, mode: list[str]) -> None:
+    from shardtune.model.attention import _cu_seqlens
+
+    overrides = [*SHAPE, two_layers, *mode]
+    _cu_seqlens.cache_clear()  # a run's first step copies its documents' offsets, as the estimate counts
+    counted = simulate(RECIPE, overrides).to_json()["launches"]["total"]
+    estimate = estimated_launches(make_plan(RECIPE, overrides))
+    assert abs(estimate / counted - 1) <= 0.10, (
+        f"estimated {estimate:,} launches against {counted:,} simulated: re-measure plan/roofline.py's constants")
