@@ -281,11 +281,3 @@ def _precompute(model: nn.Module, rows: PairRows, rt: Runtime, b: int) -> np.nda
     if rt.world_size > 1:  # each pair was computed by exactly one rank
         dist.all_reduce(table)
     return accelerator.to_host(table).numpy()
-
-
-def build_objective(recipe: Recipe, data: TokenizedData) -> SftObjective:
-    if recipe.train.objective == "grpo":
-        from shardtune.trainer.grpo import GrpoObjective  # imports this module
-
-        return GrpoObjective(recipe, data)
-    return DpoObjective(recipe, data) if recipe.train.objective == "dpo" else SftObjective(recipe, data)

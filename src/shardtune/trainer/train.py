@@ -31,7 +31,7 @@ from shardtune.trainer.data_passes import repeat_notice
 from shardtune.trainer.evaluate import accuracy_before, demo_samples, exact_match
 from shardtune.trainer.export import param_shapes, save_final, write_export_info
 from shardtune.trainer.metrics import MetricsLog
-from shardtune.trainer.objective import SftObjective, build_objective
+from shardtune.trainer.objective import DpoObjective, SftObjective
 from shardtune.trainer.parallelize import parallelize
 from shardtune.trainer.runtime import Runtime, host_max, init_runtime
 from shardtune.trainer.schedule import build_scheduler, keep_settings, optimizer_settings
@@ -277,6 +277,16 @@ def resume(run: Run) -> int:
     if run.rt.is_main:
         print(f"resumed from {found} at step {step}", flush=True)
     return step
+
+
+def build_objective(recipe: Recipe, data: TokenizedData) -> SftObjective:
+    """The step's loss, batches and eval for train.objective (here, not in objective.py: grpo.py builds on that
+    module's SftObjective, so choosing among them from there would make an import circle)."""
+    if recipe.train.objective == "grpo":
+        from shardtune.trainer.grpo import GrpoObjective  # its sampler and reward loaders only when asked for
+
+        return GrpoObjective(recipe, data)
+    return DpoObjective(recipe, data) if recipe.train.objective == "dpo" else SftObjective(recipe, data)
 
 
 def _memory_tracker(enabled: bool, device: torch.device, backend: str, *, compiled: bool):
