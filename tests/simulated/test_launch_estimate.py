@@ -1,7 +1,8 @@
 """`plan`'s analytic launch estimate (plan/roofline.py estimated_launches: the verdict line without --simulate,
 `plan --fit`'s ranking) against the count `plan --simulate` makes, on the 1.24B Llama cut to 2 decoder layers (full
 width, 2,048 tokens, bf16, checkpointing: what the estimate's constants were measured on). A launch cut that forgets
-the estimate fails here: re-measure its constants as roofline.py says (1- and 2-layer simulations)."""
+the estimate fails here: re-measure its constants as roofline.py says (1- and 2-layer simulations). And the 70B
+QLoRA recipe at 2 layers (2 ranks, 32 MB NF4 tiles, two 448-token MLP chunks a row): the tile and chunk constants."""
 from __future__ import annotations
 
 import json
@@ -30,11 +31,21 @@ def two_layers(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize("mode", [["lora.enabled=false"], [], ["lora.quantize_base=nf4"]],
                          ids=["full", "lora", "qlora"])
 def test_estimate_within_ten_percent_of_the_simulated_count(two_layers: str, mode: list[str]) -> None:
+    _check(RECIPE, [*SHAPE, two_layers, *mode])
+
+
+def test_70b_qlora_tiles_and_mlp_chunks_within_ten_percent(tmp_path: Path) -> None:
+    from tests.simulated.shallow import shallow_config
+
+    recipe = "llama-3.1-70b-qlora-2x24gb"
+    _check(recipe, ["data.seq_len=896", "train.grad_accum=1", shallow_config(recipe, 2, tmp_path)])
+
+
+def _check(recipe: str, overrides: list[str]) -> None:
     from shardtune.model.attention import _cu_seqlens
 
-    overrides = [*SHAPE, two_layers, *mode]
     _cu_seqlens.cache_clear()  # a run's first step copies its documents' offsets, as the estimate counts
-    counted = simulate(RECIPE, overrides).to_json()["launches"]["total"]
-    estimate = estimated_launches(make_plan(RECIPE, overrides))
+    counted = simulate(recipe, overrides).to_json()["launches"]["total"]
+    estimate = estimated_launches(make_plan(recipe, overrides))
     assert abs(estimate / counted - 1) <= 0.10, (
         f"estimated {estimate:,} launches against {counted:,} simulated: re-measure plan/roofline.py's constants")

@@ -115,6 +115,9 @@ ADAPTER_REPLICA_LAUNCHES = (0, 0, 2)  # per adapted Linear on > 1 rank: its grad
 NF4_WEIGHT_LAUNCHES = (19 / 7, 38 / 7, 77 / 7)  # per NF4 weight of a layer (its first tile, its block scalers)
 TILE_LAUNCHES = (436 / 109, 0, 920 / 109)  # per further NF4 tile (row tiles forward, column slabs backward)
 MLP_CHUNK_LAUNCHES = (102, -15, 283)  # per further chunk of engine.mlp_chunk_tokens, per layer
+# per further NF4 tile of a chunked MLP, on top of TILE_LAUNCHES: its backward re-runs the chunk (nf4_tile_mb=1 and
+# mlp_chunk_tokens=1024: 202 further tiles a layer, 186 of them the MLP's)
+CHUNKED_TILE_LAUNCHES = (-30 / 186, 0, 331 / 186)
 FIXED_LAUNCHES = {"full": 216, "lora": 63, "qlora": 99}  # per micro-step outside the layers (embedding, head, loss)
 OPTIMIZER_LAUNCHES = {False: 36, True: 31}  # per step: foreach AdamW over all tensors, the next batch's copies
 FSDP2_FACTOR = 1.42  # FSDP2's launches against ours (1B LoRA at 4 x 2,048: 15,573 against 10,983)
@@ -132,7 +135,7 @@ def estimated_launches(plan: Any) -> int:
     s, layers = plan.setup, plan.stats.dims.num_layers
     adapted = len(linear_targets(plan.stats)) if s.lora else 0
     chunks = math.ceil(s.micro_batch * s.local_seq / s.mlp_chunk) if s.mlp_chunk else 1
-    weights = extra_tiles = 0
+    weights = extra_tiles = chunked_tiles = 0
     if s.nf4:
         per_tile = s.nf4_tile_bytes or 1 << 62  # torchao: the whole weight at once
         # engine.mlp_chunk_tokens (model/tiled_mlp.py): each chunk of tokens runs the MLP's weights, tiles and all
@@ -141,13 +144,15 @@ def estimated_launches(plan: Any) -> int:
                 weights += 1
                 tiles = math.ceil(math.prod(shape) * s.compute.itemsize / per_tile)
                 extra_tiles += (tiles - 1) * (chunks if ".mlp." in name else 1)
-        weights, extra_tiles = weights / max(1, layers), extra_tiles / max(1, layers)
+                chunked_tiles += (tiles - 1) * chunks if ".mlp." in name and chunks > 1 else 0
+        weights, extra_tiles, chunked_tiles = (n / max(1, layers) for n in (weights, extra_tiles, chunked_tiles))
     recompute = 0.0 if s.checkpointing is False else 1.0 / (1 if s.checkpointing is True else int(s.checkpointing))
     replicas = adapted if s.world > 1 else 0
-    layer = sum(p * (base + adapted * a + replicas * r + weights * w + extra_tiles * t + (chunks - 1) * c)
-                for p, base, a, r, w, t, c in zip((1.0, recompute, 1.0), LAYER_LAUNCHES, ADAPTER_LAUNCHES,
-                                                  ADAPTER_REPLICA_LAUNCHES, NF4_WEIGHT_LAUNCHES, TILE_LAUNCHES,
-                                                  MLP_CHUNK_LAUNCHES, strict=True))
+    counts = (1.0, adapted, replicas, weights, extra_tiles, chunks - 1, chunked_tiles)
+    per_phase = zip(LAYER_LAUNCHES, ADAPTER_LAUNCHES, ADAPTER_REPLICA_LAUNCHES, NF4_WEIGHT_LAUNCHES, TILE_LAUNCHES,
+                    MLP_CHUNK_LAUNCHES, CHUNKED_TILE_LAUNCHES, strict=True)
+    layer = sum(p * sum(n * c for n, c in zip(counts, costs, strict=True))
+                for p, costs in zip((1.0, recompute, 1.0), per_phase, strict=True))
     if s.backend == "torch":
         layer *= FSDP2_FACTOR
     micro = layers * layer + FIXED_LAUNCHES["qlora" if s.nf4 else "lora" if s.lora else "full"]
