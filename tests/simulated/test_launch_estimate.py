@@ -2,7 +2,8 @@
 `plan --fit`'s ranking) against the count `plan --simulate` makes, on the 1.24B Llama cut to 2 decoder layers (full
 width, 2,048 tokens, bf16, checkpointing: what the estimate's constants were measured on). A launch cut that forgets
 the estimate fails here: re-measure its constants as roofline.py says (1- and 2-layer simulations). And the 70B
-QLoRA recipe at 2 layers (2 ranks, 32 MB NF4 tiles, two 448-token MLP chunks a row): the tile and chunk constants."""
+QLoRA recipe at 2 layers (2 ranks, 32 MB NF4 tiles, two 448-token MLP chunks a row): the tile and chunk constants;
+Qwen3-30B-A3B QLoRA at 2 layers: the MoE layer's."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,15 @@ def test_70b_qlora_tiles_and_mlp_chunks_within_ten_percent(tmp_path: Path) -> No
 
     recipe = "llama-3.1-70b-qlora-2x24gb"
     _check(recipe, ["data.seq_len=896", "train.grad_accum=1", shallow_config(recipe, 2, tmp_path)])
+
+
+def test_moe_qlora_within_ten_percent(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B QLoRA at 2 layers: the MoE layer's constant (routing, NF4 experts)."""
+    from tests.simulated.shallow import shallow_config
+
+    recipe = "qwen3-30b-a3b-qlora-1x24gb"
+    _check(recipe, ["data.seq_len=1024", "train.micro_batch_size=1", "train.grad_accum=1",
+                    shallow_config(recipe, 2, tmp_path)])
 
 
 def _check(recipe: str, overrides: list[str]) -> None:

@@ -118,6 +118,10 @@ MLP_CHUNK_LAUNCHES = (102, -15, 283)  # per further chunk of engine.mlp_chunk_to
 # per further NF4 tile of a chunked MLP, on top of TILE_LAUNCHES: its backward re-runs the chunk (nf4_tile_mb=1 and
 # mlp_chunk_tokens=1024: 202 further tiles a layer, 186 of them the MLP's)
 CHUNKED_TILE_LAUNCHES = (-30 / 186, 0, 331 / 186)
+# per MoE layer, on top of the terms above (its NF4 experts counted as weights and tiles): the router, top-k, the
+# permute and un-permute, the grouped experts (engine/nf4_experts.py); Qwen3-30B-A3B QLoRA at 1,024 tokens, 1 and 2
+# layers, less what the terms above give it
+MOE_LAYER_LAUNCHES = (59, 26, 132)
 FIXED_LAUNCHES = {"full": 216, "lora": 63, "qlora": 99}  # per micro-step outside the layers (embedding, head, loss)
 OPTIMIZER_LAUNCHES = {False: 36, True: 31}  # per step: foreach AdamW over all tensors, the next batch's copies
 FSDP2_FACTOR = 1.42  # FSDP2's launches against ours (1B LoRA at 4 x 2,048: 15,573 against 10,983)
@@ -125,8 +129,8 @@ FSDP2_FACTOR = 1.42  # FSDP2's launches against ours (1B LoRA at 4 x 2,048: 15,5
 
 def estimated_launches(plan: Any) -> int:
     """Kernel launches per optimizer step from the recipe's shape (the constants above): per micro-step, each layer's
-    forward and backward, its recompute under checkpointing (every k-th layer for an int k), its adapters and NF4
-    weights and tiles (the MLP's once per MLP chunk); then the optimizer. Collectives: one per gathered unit and pass,
+    forward and backward, its recompute under checkpointing (every k-th layer for an int k), its adapters, NF4
+    weights and tiles (the MLP's once per MLP chunk) and experts' routing; then the optimizer. Collectives: one per gathered unit and pass,
     one reduce-scatter per trainable unit."""
     import math
 
@@ -148,9 +152,9 @@ def estimated_launches(plan: Any) -> int:
         weights, extra_tiles, chunked_tiles = (n / max(1, layers) for n in (weights, extra_tiles, chunked_tiles))
     recompute = 0.0 if s.checkpointing is False else 1.0 / (1 if s.checkpointing is True else int(s.checkpointing))
     replicas = adapted if s.world > 1 else 0
-    counts = (1.0, adapted, replicas, weights, extra_tiles, chunks - 1, chunked_tiles)
+    counts = (1.0, adapted, replicas, weights, extra_tiles, chunks - 1, chunked_tiles, float(bool(plan.stats.dims.moe)))
     per_phase = zip(LAYER_LAUNCHES, ADAPTER_LAUNCHES, ADAPTER_REPLICA_LAUNCHES, NF4_WEIGHT_LAUNCHES, TILE_LAUNCHES,
-                    MLP_CHUNK_LAUNCHES, CHUNKED_TILE_LAUNCHES, strict=True)
+                    MLP_CHUNK_LAUNCHES, CHUNKED_TILE_LAUNCHES, MOE_LAYER_LAUNCHES, strict=True)
     layer = sum(p * sum(n * c for n, c in zip(counts, costs, strict=True))
                 for p, costs in zip((1.0, recompute, 1.0), per_phase, strict=True))
     if s.backend == "torch":
