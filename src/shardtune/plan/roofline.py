@@ -111,7 +111,8 @@ def step_time(hw: HardwareProfile, counts: dict[str, Any], *, tokens: int, link_
 # these numbers fails that test; re-measure them as it says.
 LAYER_LAUNCHES = (28, 17, 53)
 ADAPTER_LAUNCHES = (26 / 7, -6 / 7, 49 / 7)  # per adapted Linear (its recompute runs as part of the frozen base's)
-ADAPTER_REPLICA_LAUNCHES = (0, 0, 2)  # per adapted Linear on > 1 rank: its gradients into the replicated bucket
+# per adapted Linear on > 1 rank: its gradients into the replicated bucket (tiny-lora-cpu's 2-rank layer against 1B's)
+ADAPTER_REPLICA_LAUNCHES = (0, 0, 2)
 NF4_WEIGHT_LAUNCHES = (19 / 7, 38 / 7, 77 / 7)  # per NF4 weight of a layer (its first tile, its block scalers)
 TILE_LAUNCHES = (436 / 109, 0, 920 / 109)  # per further NF4 tile (row tiles forward, column slabs backward)
 MLP_CHUNK_LAUNCHES = (102, -15, 283)  # per further chunk of engine.mlp_chunk_tokens, per layer
@@ -130,8 +131,8 @@ FSDP2_FACTOR = 1.42  # FSDP2's launches against ours (1B LoRA at 4 x 2,048: 15,5
 def estimated_launches(plan: Any) -> int:
     """Kernel launches per optimizer step from the recipe's shape (the constants above): per micro-step, each layer's
     forward and backward, its recompute under checkpointing (every k-th layer for an int k), its adapters, NF4
-    weights and tiles (the MLP's once per MLP chunk) and experts' routing; then the optimizer. Collectives: one per gathered unit and pass,
-    one reduce-scatter per trainable unit."""
+    weights and tiles (the MLP's once per MLP chunk) and experts' routing; then the optimizer. Collectives: one per
+    gathered unit and pass, one reduce-scatter per trainable unit."""
     import math
 
     from shardtune.plan.estimate import linear_targets
