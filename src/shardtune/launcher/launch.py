@@ -160,6 +160,11 @@ def launch_train(cfg: DictConfig, *, check: bool = True, fit: bool = False, trus
         from shardtune.data.check import check_data_head
 
         check_data_head(recipe.data)
+        from shardtune.trainer.rewards import reward_problem
+
+        rewards = reward_problem(recipe)  # a reward column or file missing: refused here, not in every rank
+        if rewards:
+            raise UserError(rewards)
     header = ""
     if check or fit:
         from shardtune.launcher.preflight import preflight

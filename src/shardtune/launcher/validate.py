@@ -22,6 +22,7 @@ def recipe_problems(recipe: Recipe, notes: list[str] | None = None) -> list[str]
         from shardtune.model.lora import rehearse_lora
         from shardtune.model.moe_checks import model_problems
         from shardtune.plan.model_limits import seq_len_problem
+        from shardtune.trainer.rewards import reward_problem
         from shardtune.trainer.trackers import tracker_problems
 
     t = recipe.train
@@ -48,6 +49,7 @@ def recipe_problems(recipe: Recipe, notes: list[str] | None = None) -> list[str]
         if str(e) not in problems:  # an unreadable config: the build above said so already
             problems.append(str(e))
     problems += [line for p in data_problems(recipe.data, tok) for line in p.splitlines()]
+    problems += [p for p in [reward_problem(recipe)] if p]
     if notes is not None and not problems:
         notes += [n for n in [cached_data_passes(recipe, tok)] if n]
     return problems

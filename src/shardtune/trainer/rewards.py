@@ -30,9 +30,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardtune.errors import UserError
+
+if TYPE_CHECKING:
+    from shardtune.config.schema import Recipe
 
 KEY = "grpo.reward_funcs"
 # What TRL passes besides the data columns: a function's parameters with these names are not columns.
@@ -203,6 +206,27 @@ def check_reward_specs(specs: Sequence[str], columns: Sequence[str], *,
                             f"(columns: {', '.join(sorted(columns)) or 'none'}): add it to the data or name another "
                             "column")
     return funcs
+
+
+def reward_problem(recipe: Recipe) -> str | None:
+    """`validate`'s and `train`'s (before any worker builds the model) check of train.objective=grpo: every spec
+    loads (its file and function exist) and every column a function reads is in the head of the data."""
+    from shardtune.data.check import reward_columns
+
+    if recipe.train.objective != "grpo":
+        return None
+    try:
+        columns = reward_columns(recipe.data)
+    except UserError:  # unreadable data: the data checks say why; the specs are still checked
+        columns = None
+    try:
+        if columns is None:
+            load_reward_funcs(recipe.grpo.reward_funcs)
+        else:
+            check_reward_specs(recipe.grpo.reward_funcs, columns)
+    except UserError as e:
+        return str(e)
+    return None
 
 
 def score(funcs: Sequence[RewardFunc], weights: Sequence[float] | None, prompts: list[Any], completions: list[Any],
