@@ -11,19 +11,13 @@ data.seq_len that does when none of them does.
 from __future__ import annotations
 
 from shardtune.plan.hardware import GiB
-from shardtune.plan.result import Plan, variant
+from shardtune.plan.result import MIN_HEADROOM, Plan, variant
 
-MIN_HEADROOM = 0.03  # of usable memory
 MIN_CHUNK = 128  # tokens: engine.mlp_chunk_tokens and train.loss_chunk_tokens are not halved below this
 
 
-def low_headroom(plan: Plan) -> bool:
-    """Fits, with less than MIN_HEADROOM of usable memory left."""
-    return plan.fits and plan.headroom < MIN_HEADROOM * plan.usable
-
-
 def _keeps_headroom(plan: Plan) -> bool:
-    return plan.fits and not low_headroom(plan)
+    return plan.fits and not plan.low_headroom
 
 
 def _candidates(plan: Plan) -> list[tuple[str, Plan]]:
@@ -65,7 +59,7 @@ def _longest_seq(plan: Plan) -> Plan | None:
 
 def headroom_advice(plan: Plan) -> list[str]:
     """One advice line when the plan fits with under MIN_HEADROOM of usable memory left; else none."""
-    if not low_headroom(plan):
+    if not plan.low_headroom:
         return []
     from shardtune.plan.search import step_time
 

@@ -10,6 +10,8 @@ from shardtune.plan.estimate import Estimate, Setup, estimate
 from shardtune.plan.hardware import GiB, HardwareProfile, usable_gpu_bytes
 from shardtune.plan.stats import ModelStats
 
+MIN_HEADROOM = 0.03  # of usable memory: less fits on paper and runs out on some card, driver or allocator state
+
 
 @dataclass
 class Plan:
@@ -62,6 +64,12 @@ class Plan:
     @property
     def headroom(self) -> int:
         return self.usable - self.estimate.total
+
+    @property
+    def low_headroom(self) -> bool:
+        """Fits, with less than MIN_HEADROOM of usable memory left: plan and the pre-flight warn (plan/headroom.py),
+        and `--fit` offers no such run (plan/search.py)."""
+        return self.fits and self.headroom < MIN_HEADROOM * self.usable
 
     def to_json(self) -> dict:
         e = self.estimate

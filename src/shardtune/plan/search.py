@@ -257,7 +257,8 @@ def fit_search(plan: Plan, *, try_lora: bool = False) -> list[Candidate]:
             if setup is None:
                 break
             p = variant(plan, **{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)})
-            if p.fits:
+            # under 3 % headroom plan and the pre-flight warn (plan/headroom.py): --fit offers no such run
+            if p.fits and not p.low_headroom:
                 out.append(Candidate(p, step_time(p)))
                 break
     # Equal predicted times are common (compute-bound with prefetch: comm hides under compute): prefer no offload,
