@@ -44,3 +44,8 @@ def test_version_block_shape():
     got = shape(run("--version"))
     want = shape(block_after("$ shardtune --version"))
     assert got[:2] == want[:2] and got[-1] == want[-1] and len(got) == len(want), (got, want)
+
+
+def test_grpo_keys_block():
+    """docs/grpo.md's keys are `shardtune keys grpo` as it prints them today (schema comments, defaults)."""
+    assert run("keys", "grpo").rstrip() == block_after("$ shardtune keys grpo")
