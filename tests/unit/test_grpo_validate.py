@@ -43,9 +43,9 @@ def test_validate_refuses_a_missing_reward_function(tmp_path: Path, monkeypatch:
     code, _, err = run_cli(["validate", "tiny-grpo-cpu", "grpo.reward_funcs=[my_rewards.py:wrong]",
                             f"train.output_dir={tmp_path / 'run'}"], capsys)
     assert code == 2
+    file = tmp_path.resolve() / "my_rewards.py"  # resolved at load, as data.path is: the line names the file read
     assert err.strip().splitlines() == [
-        "error: grpo.reward_funcs[0] 'my_rewards.py:wrong': 'my_rewards.py' has no function 'wrong' "
-        "(functions: right)"]
+        f"error: grpo.reward_funcs[0] '{file}:wrong': '{file}' has no function 'wrong' (functions: right)"]
 
 
 def test_train_refuses_a_reward_column_the_data_lacks_before_any_worker(tmp_path: Path) -> None:
@@ -57,3 +57,44 @@ def test_train_refuses_a_reward_column_the_data_lacks_before_any_worker(tmp_path
         "error: grpo.reward_funcs[0] 'exact_match:nope': reads column 'nope', which the data does not have "
         "(columns: answer): add it to the data or name another column"]
     assert not (tmp_path / "run").exists()  # refused before the run folder (and the workers)
+
+
+REWARD_FILE = "def match(completions, answer, **kwargs):\n    return [float(c == a) for c, a in zip(completions, answer)]\n"
+
+
+def _recipe_beside_its_reward_file(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of tiny-grpo-cpu in its own folder, with my_rewards.py beside it, and another folder to run from."""
+    folder, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    (folder / "my_rewards.py").write_text(REWARD_FILE)
+    recipe = folder / "grpo.yaml"
+    recipe.write_text((RECIPES / "tiny-grpo-cpu.yaml").read_text()
+                      .replace("reward_funcs: [exact_match]", "reward_funcs: [my_rewards.py:match]")
+                      .replace("output_dir: runs/tiny-grpo-cpu", f"output_dir: {tmp_path / 'run'}"))
+    assert "my_rewards.py:match" in recipe.read_text()
+    return recipe, elsewhere
+
+
+def test_a_reward_file_beside_the_recipe_validates_from_another_cwd(tmp_path: Path) -> None:
+    recipe, elsewhere = _recipe_beside_its_reward_file(tmp_path)
+    done = subprocess.run([SHARDTUNE, "validate", str(recipe), "--print"], capture_output=True, text=True,
+                          cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    # --print is the recipe.yaml train writes and the workers read: the file's absolute path, as for data.path
+    assert f"- {recipe.parent.resolve() / 'my_rewards.py'}:match\n" in done.stdout
+
+
+def test_training_loads_a_reward_file_beside_the_recipe_from_another_cwd(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardtune.config.load import load_recipe, load_recipe_config, to_recipe, to_yaml
+    from shardtune.trainer.rewards import load_reward_funcs, score
+
+    recipe, elsewhere = _recipe_beside_its_reward_file(tmp_path)
+    monkeypatch.chdir(elsewhere)
+    saved = tmp_path / "recipe.yaml"  # what the workers load, as train writes it
+    saved.write_text(to_yaml(load_recipe_config(str(recipe))))
+    for r in (load_recipe(str(recipe)), load_recipe(str(saved)), to_recipe(load_recipe_config(str(saved)))):
+        (f,) = load_reward_funcs(r.grpo.reward_funcs)  # as trainer/grpo.py loads them, without a recipe folder
+        assert f.columns == ("answer",)
+        assert score([f], None, ["p", "q"], ["cba", "x"], {"answer": ["cba", "y"]})[0] == [1.0, 0.0]

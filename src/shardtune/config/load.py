@@ -147,6 +147,23 @@ def _resolve_paths(cfg: DictConfig, recipe_dir: Path) -> None:
         OmegaConf.update(cfg, key, str(found.resolve()))
 
 
+def _resolve_reward_files(cfg: DictConfig, recipe_dir: Path) -> None:
+    """grpo.reward_funcs' `path/to/file.py:function`: a relative file found in the cwd, then the recipe's folder
+    (trainer/rewards.py's order), becomes its absolute path, as data.path does, so that the workers (which read the
+    run's recipe.yaml, not the recipe) and a resume from elsewhere load the file validate checked. A file found in
+    neither is left as written: validate and train refuse it in one line (trainer/rewards.py reward_problem)."""
+    funcs = OmegaConf.select(cfg, "grpo.reward_funcs")
+    if not isinstance(funcs, ListConfig):
+        return
+    for i, spec in enumerate(funcs):
+        target, _, name = str(spec).rpartition(":")
+        if not target.endswith(".py") or Path(target).is_absolute():
+            continue
+        found = next((c for c in (Path.cwd() / target, recipe_dir / target) if c.is_file()), None)
+        if found is not None:
+            funcs[i] = f"{found.resolve()}:{name}"
+
+
 def _check_builtin(key: str, value: str) -> None:
     from shardtune.synthetic import names as builtin_names
 
@@ -192,6 +209,7 @@ def _load(recipe: str | Path, overrides: list[str]) -> tuple[DictConfig, Recipe]
     except OmegaConfBaseException as e:
         raise _friendly(e, str(path)) from None
     _resolve_paths(cfg, path.parent)
+    _resolve_reward_files(cfg, path.parent)
     apply_model_folder(cfg, list(overrides))  # model.path=DIR brings its config and tokenizer
     try:
         return cfg, to_recipe(cfg, str(path))  # validates ranges and conflicts
