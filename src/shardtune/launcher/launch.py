@@ -24,8 +24,14 @@ from shardtune.disk import check_dir_creatable, write_text_atomic
 from shardtune.errors import UserError
 from shardtune.launcher.run_lock import RunLock
 from shardtune.plan.model_limits import check_model_limits
-from shardtune.trainer.worker_deaths import (checkpoint_line, describe, first_failure, last_traceback, rank_log,
-                                             read_report)
+from shardtune.trainer.worker_deaths import (
+    checkpoint_line,
+    describe,
+    first_failure,
+    last_traceback,
+    rank_log,
+    read_report,
+)
 
 USER_ERROR_FILE = ".user_error"
 EXIT_CODE_FILE = ".exit_code"  # a worker's documented exit code (preempted 75, diverged 4) survives torchrun
