@@ -37,6 +37,8 @@ ON_HOST_GROUP = {
     ("hub.py", "fetch_for_ranks"): "dist.new_group(backend='gloo'): rank 0's download message",
     ("engine/vocab.py", "max_tokens"): "accelerator.host_group(): a token count, host metadata",
     ("trainer/decode.py", "_agreed"): "accelerator.host_group(): token budgets and row counts, host numbers",
+    ("trainer/grpo.py", "_gather_global"): "accelerator.host_group(): the step's rewards and lengths, host floats",
+    ("trainer/grpo.py", "evaluate"): "accelerator.host_group(): the held-out reward sums, host floats",
     ("trainer/runtime.py", "host_max"): "accelerator.host_group(): a memory tracker's peak, a host number",
 }
 
