@@ -13,17 +13,11 @@ from tests.distributed.harness import run_distributed
 from shardtune.checkpoint.manager import CheckpointManager, find_resume_dir, load
 
 
-class _Scheduler:
-    optimizer = type("O", (), {"param_groups": []})()
-
-    def state_dict(self) -> dict:
-        return {"last_epoch": 1}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.sd = sd
-
-    def get_last_lr(self) -> list:
-        return []
+def _scheduler() -> torch.optim.lr_scheduler.LambdaLR:
+    """A real LambdaLR over a one-parameter optimizer: a load restores the schedule's step counter into it
+    (checkpoint/manager.py restore_schedule_step), which a stand-in without base_lrs and lr_lambdas cannot take."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
 
 
 class DiskFullWriter(dcp.FileSystemWriter):
@@ -39,11 +33,11 @@ def _disk_full(out: str) -> None:
     run = Path(out)
     mgr = CheckpointManager(run, keep_last=0, is_main=dist.get_rank() == 0, rank=dist.get_rank())
     good = {"w": torch.full((4,), float(dist.get_rank() + 1))}
-    assert mgr.save(1, good, _Scheduler(), {"world_size": 2}) is not None
+    assert mgr.save(1, good, _scheduler(), {"world_size": 2}) is not None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         bad = {"w": torch.full((4,), 99.0)}
-        result = mgr.save(2, bad, _Scheduler(), {"world_size": 2},
+        result = mgr.save(2, bad, _scheduler(), {"world_size": 2},
                           storage_writer=DiskFullWriter(str(run / "checkpoints" / ".tmp-step_2")))
     assert result is None
     if dist.get_rank() == 0:
@@ -52,7 +46,7 @@ def _disk_full(out: str) -> None:
     found = find_resume_dir(run, "auto", is_main=False)
     assert found == run / "checkpoints" / "step_1"
     back = {"w": torch.zeros(4)}
-    assert load(found, back, _Scheduler(), rank=dist.get_rank(), world_size=2) == 1
+    assert load(found, back, _scheduler(), rank=dist.get_rank(), world_size=2) == 1
     assert back["w"].tolist() == [1.0] * 4  # the replicated tensor from the good save (rank 0 wrote it)
 
 

@@ -225,17 +225,11 @@ def _mismatch(root: str) -> None:
 
 
 # -- resume under offload with replicas -------------------------------------------------------------------------------
-class _Scheduler:
-    optimizer = type("O", (), {"param_groups": []})()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, sd: dict) -> None:
-        pass
-
-    def get_last_lr(self) -> list:
-        return []
+def _scheduler() -> torch.optim.lr_scheduler.LambdaLR:
+    """A real LambdaLR over a one-parameter optimizer: a load restores the schedule's step counter into it
+    (checkpoint/manager.py restore_schedule_step), which a stand-in without base_lrs and lr_lambdas cannot take."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
 
 
 COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -282,7 +276,7 @@ def _resume(strategy: str, root: str) -> None:
         train_step(model, sharded, opt, step, accum=2, sync_each=True)
     path = Path(root) / strategy
     CheckpointManager(path, keep_last=0, is_main=rank == 0, rank=rank).save(
-        2, sharded.checkpoint_state(opt), _Scheduler(), {"world_size": world})
+        2, sharded.checkpoint_state(opt), _scheduler(), {"world_size": world})
     saved_shards = [f.shard.clone() for u in sharded.units for f in u.flats]
     expected = [train_step(model, sharded, opt, step, accum=2, sync_each=True) for step in (2, 3)]
 
@@ -291,7 +285,7 @@ def _resume(strategy: str, root: str) -> None:
     state = sharded.checkpoint_state(opt, for_load=True)  # creates AdamW's state tensors, loaded in place
     host_state |= {t.untyped_storage().data_ptr() for s in opt.state.values() for t in s.values() if t.ndim}
     with recording_collectives() as seen:
-        assert load(path / "checkpoints" / "step_2", state, _Scheduler(), rank=rank, world_size=world) == 2
+        assert load(path / "checkpoints" / "step_2", state, _scheduler(), rank=rank, world_size=world) == 2
         sharded.load_checkpoint_state(state, opt)
     # Engine state lives on the host under offload: none of it may go through a (device) collective; what DCP
     # sends (plans, metadata) is on the group's device (CPU for gloo).
