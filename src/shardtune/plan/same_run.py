@@ -35,8 +35,8 @@ def canonical(setup: Setup, recipe: Setup) -> Setup:
 
 
 def distinct(found: list[Candidate]) -> list[Candidate]:
-    """`found` (best first) less the later of two candidates that are one run: the same overrides, or on one rank
-    strategies the plan cannot tell apart. One rank builds no process group under any strategy (engine/shard.py
+    """`found` (best first) less the later of two candidates that are one run: the same overrides, on one rank
+    strategies the plan cannot tell apart, or backward schedules it cannot tell apart. One rank builds no process group under any strategy (engine/shard.py
     build_groups); the strategies differ only in keeping a unit's gathered copy from forward to backward, which is
     no copy when the unit computes on its shard itself (no cast, no offload): then every phase and the step time
     are equal, and the first (the recipe's strategy, by fit_search's order) stands for all."""
@@ -44,10 +44,14 @@ def distinct(found: list[Candidate]) -> list[Candidate]:
     out = []
     for c in found:
         s = c.plan.setup
-        key = (dataclasses.replace(s, strategy=""), tuple(sorted(c.plan.estimate.phases.items())),
-               c.time["step_s"]) if s.world == 1 else s
-        if key in seen or c.overrides() in seen:
+        predicted = (tuple(sorted(c.plan.estimate.phases.items())), c.time["step_s"])
+        key = (dataclasses.replace(s, strategy=""), *predicted) if s.world == 1 else s
+        # Backward schedules the plan cannot tell apart (the same peak in every phase and the same step time: no
+        # reduction for staggering to hold back, e.g. no_shard or a frozen base): one row, the first (the recipe's
+        # schedule, by fit_search's order). A user could not choose between two rows that predict the same.
+        schedule_key = (dataclasses.replace(s, backward_schedule=""), *predicted)
+        if key in seen or schedule_key in seen or c.overrides() in seen:
             continue
-        seen.update((key, c.overrides()))
+        seen.update((key, schedule_key, c.overrides()))
         out.append(c)
     return out

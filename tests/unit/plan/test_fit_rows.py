@@ -2,6 +2,7 @@
 settings that are one run at the candidate's size (strategies on one rank, hybrid_shard with one shard group)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -68,3 +69,13 @@ def test_plan_fit_offers_no_run_under_3_percent_headroom() -> None:
         low = [(c.overrides(), c.plan.headroom / c.plan.usable) for c in found if c.plan.low_headroom]
         assert not low, (recipe, low)
         assert all(c.plan.headroom >= 0.03 * c.plan.usable for c in found)
+
+
+def test_plan_fit_lists_backward_schedules_it_cannot_tell_apart_once() -> None:
+    """Found by issue 59's repeat probe: on llama-3.1-70b-qlora-2x24gb all ten rows were pairs differing only in
+    engine.backward_schedule with the same predicted peak and step time (five runs shown twice)."""
+    for recipe in ("llama-3.1-70b-qlora-2x24gb", "mistral-7b-lora-2x24gb"):
+        found = fit_search(make_plan(recipe, []))
+        predicted = [(dataclasses.replace(c.plan.setup, backward_schedule=""),
+                      tuple(sorted(c.plan.estimate.phases.items())), c.time["step_s"]) for c in found]
+        assert len(set(predicted)) == len(predicted), recipe
