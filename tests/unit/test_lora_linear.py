@@ -131,6 +131,27 @@ def test_adapters_cast_again_after_the_optimizer_writes_them() -> None:
     assert not torch.equal(stale.q(x), ours.q(x))
 
 
+def test_adapters_cast_again_after_a_fused_adamw_step() -> None:
+    """The CPU run's AdamW is the fused kernel, which writes the adapters without bumping their versions: the bf16
+    copies made before a step must not serve the forward after it (they did: a run trained on step 1's adapters
+    throughout, and a resume, casting afresh, lost exactness)."""
+    peft_model, ours = _pair()
+    for model in (peft_model, ours):
+        for p in model.parameters():
+            p.data = p.data.to(torch.float32 if p.requires_grad else torch.bfloat16)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    ours(x)  # the bf16 copies are made
+    for model in (peft_model, ours):
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        torch.optim.AdamW(params, lr=0.5, fused=True).step()
+    a = ours.q.lora_A["default"].weight
+    assert torch.equal(a, peft_model.q.lora_A["default"].weight)  # both stepped
+    want = peft_model(x)
+    torch.testing.assert_close(ours(x), want, rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
 def test_layers_the_function_does_not_cover_keep_peft_forward() -> None:
     peft_model, ours = _pair()
     x = torch.randn(2, 5, 64)

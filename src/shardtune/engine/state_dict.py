@@ -102,7 +102,9 @@ def checkpoint_state(units: list, shard_rank: int, shard_size: int, optimizer: t
                     t = local_opt[i][k] if i in local_opt else None
                     out[f"optim.{slot.name}.{k}"] = _sharded(flat, i, t, shard_rank, dev, first_rank)
     for name, p in _replicated_params(module):
-        out[f"replicated.{name}"] = p.data
+        # detach(), not .data: it shares p's version counter, so dcp.load's in-place write is a change of p that
+        # a cache keyed on versions sees (model/lora_linear.py compute_adapters' bf16 copies)
+        out[f"replicated.{name}"] = p.detach()
         st = optimizer.state.get(p)
         if st:
             for k in OPTIM_KEYS:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 ADAPTER = "default"
 
@@ -118,11 +119,14 @@ def compute_adapters(layer: nn.Module, a: torch.Tensor, b: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A and B in the compute dtype, cast once per optimizer step rather than in every forward and recompute (two
     kernels each time: 4 per micro-batch under checkpointing). The copies are kept while A and B are unchanged: the
-    same storages (held here, so none can be freed and its address reused) at the same versions (every in-place
-    write, the optimizer's included, bumps a tensor's version). r·(in + out) elements in the compute dtype."""
+    same storages (held here, so none can be freed and its address reused) at the same versions (an in-place write
+    through the tensor or a view bumps it; a load into them included) and no optimizer step since. The step count is
+    in the key because a version is not enough: the fused AdamW kernel (the CPU's, train.build_optimizer) writes the
+    parameters without bumping their versions, and the copies went stale from the first step on.
+    r·(in + out) elements in the compute dtype."""
     if a.dtype == dtype and b.dtype == dtype:
         return a, b
-    key = (a.untyped_storage(), a._version, b.untyped_storage(), b._version, dtype)
+    key = (a.untyped_storage(), a._version, b.untyped_storage(), b._version, dtype, _optimizer_steps[0])
     held = layer.__dict__.get("_compute_adapters")
     if held is None or not _same(held[0], key):
         with torch.no_grad():
@@ -132,7 +136,14 @@ def compute_adapters(layer: nn.Module, a: torch.Tensor, b: torch.Tensor,
 
 def _same(held: tuple[Any, ...], key: tuple[Any, ...]) -> bool:
     return (held[0]._cdata == key[0]._cdata and held[1] == key[1] and held[2]._cdata == key[2]._cdata
-            and held[3] == key[3] and held[4] == key[4])
+            and held[3] == key[3] and held[4] == key[4] and held[5] == key[5])
+
+
+_optimizer_steps = [0]  # optimizer steps taken in this process, by any optimizer (compute_adapters' key)
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _optimizer_steps[0] += 1
 
 
 @functools.cache
@@ -140,6 +151,7 @@ def fused_class() -> type:
     """peft's lora.Linear with `_forward` (made on first use: peft is imported only by runs with LoRA)."""
     from peft.tuners.lora import Linear
 
+    register_optimizer_step_post_hook(_count_step)  # once: this function is cached
     return type("FusedLoraLinear", (Linear,), {"forward": _forward, "__module__": __name__})
 
 
