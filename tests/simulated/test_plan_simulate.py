@@ -65,7 +65,10 @@ def test_sliding_window_band_is_planned(tmp_path: Path, dropout: float) -> None:
     """With attention dropout (no varlen kernel), documents longer than a sliding window run through the band
     (model/attention.py): k and v repeated to every head and saved, the blocks' outputs and their concatenation, the
     band bias. A Mistral twin with a window of 128 against the same model without one, over 1,024-token documents,
-    no checkpointing (every layer's set alive): the plan's added bytes match the simulated step's within 5 %.
+    no checkpointing (every layer's set alive): the plan's added bytes match the simulated step's within 5 %. No
+    packing: the plan counts a packed row's per-document outputs and their concatenation as its worst case, which
+    these one-document rows never make without a window; with one, the blocks' concatenation is saved (o_proj's
+    LoRA input).
     Without dropout, the GPU's varlen kernel takes the window itself: neither the plan nor the step adds a byte."""
     import random
 
@@ -81,7 +84,8 @@ def test_sliding_window_band_is_planned(tmp_path: Path, dropout: float) -> None:
         cfg = tmp_path / f"mistral-window-{window}.json"
         cfg.write_text(json.dumps({**base, "sliding_window": window, "attention_dropout": dropout}))
         out = forked_cli("plan", "recipes/tiny-lora-cpu.yaml", f"model.config={cfg}", "model.tokenizer=builtin:char",
-                  f"data.path={data}", "data.format=text", "data.seq_len=1024", "train.micro_batch_size=1",
+                  f"data.path={data}", "data.format=text", "data.seq_len=1024", "data.packing=false",
+                  "train.micro_batch_size=1",
                   "engine.activation_checkpointing=false", "engine.cpu_offload=false", "launch.device=cuda",
                   "hardware.gpu=rtx4090-24gb", "launch.nproc_per_node=1", "hardware.num_gpus=1", "--simulate",
                   "--json", cwd=REPO)

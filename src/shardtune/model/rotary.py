@@ -125,3 +125,11 @@ def use_fused_rotary(model: nn.Module) -> list[nn.Module]:
             m.__class__ = _fused_class(type(m))
             changed.append(m)
     return changed
+
+
+def fused_in(model: nn.Module) -> bool:
+    """Whether `model`'s attentions rotate q and k through `_RotaryQK` (swapped in already, or would be): their rotated
+    q and k are views of one tensor, so either one saved keeps both alive (the plan reads it: plan/estimate.py, on
+    HF's meta model or plan/skeleton.py's, whose attentions say so)."""
+    return any(type(m).__module__ == __name__ or getattr(type(m), "ROTATES_LIKE_LLAMA", False) or _applies(type(m))
+               for m in model.modules())

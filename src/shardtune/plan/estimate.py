@@ -42,6 +42,7 @@ from shardtune.config.schema import Recipe, shard_group_size
 from shardtune.engine.api import splits_vocab
 from shardtune.engine.layout import UnitLayout
 from shardtune.model.attention import WINDOW_BLOCK, varlen_applies
+from shardtune.model.rotary import fused_in
 from shardtune.plan.moe import unpermute_bytes
 from shardtune.plan.offload_host import table_grad_host_bytes
 from shardtune.plan.stats import DTYPES, ModelStats
@@ -195,7 +196,9 @@ def activation_bytes_per_layer(stats: ModelStats, s: Setup) -> int:
     band = (d.window is not None and d.window < n and stats.recipe.model.attn_implementation != "eager"
             and not varlen)
     if band:
-        attn += bs * c * 2 * (q_dim - kv_dim)
+        # the repeated k and v replace k and v, but k's bytes stay where the fused rotary made q and k views of one
+        # tensor (model/rotary.py): the blocks' SDPA calls save views of q
+        attn += bs * c * (2 * (q_dim - kv_dim) + (kv_dim if fused_in(stats.model) else 0))
     packed = s.packing and not mask and stats.recipe.train.objective == "sft" and not varlen
     if s.context_parallel == 1 and (band or packed):
         attn += bs * c * q_dim

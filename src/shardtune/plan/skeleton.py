@@ -41,6 +41,8 @@ def build_skeleton(raw: dict, dtype: torch.dtype) -> nn.Module:
     block = type(f"{fam.prefix}DecoderLayer", (nn.Module,), {"NORM_FEEDS_ONLY_MLP": True})
     names = {k: type(f"{fam.prefix}{k}", (nn.Module,), {}) for k in ("Attention", "MLP", "RMSNorm", "Model",
                                                                      "RotaryEmbedding")}
+    # the families' attentions apply Llama's rotary word for word: the engine fuses it (model/rotary.py fused_in)
+    names["Attention"].ROTATES_LIKE_LLAMA = True
     h, q, kv, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
         c.intermediate_size
 
