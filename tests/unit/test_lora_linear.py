@@ -112,13 +112,20 @@ def test_one_adapted_linear_issues_10_kernels_in_bf16_where_peft_issues_17() -> 
     assert sorted(got) == sorted(["_to_copy"] * 2 + ["mm"] * 4 + ["addmm_"] * 2 + ["addmm"] * 2), got
 
 
-def test_adapters_cast_again_after_the_optimizer_writes_them() -> None:
+def _mixed_pair_after_a_forward():
+    """peft's and our Linear with fp32 adapters over a bf16 base, and a bf16 input ours has run once (the bf16
+    adapter copies are made)."""
     peft_model, ours = _pair()
     for model in (peft_model, ours):
         for p in model.parameters():
             p.data = p.data.to(torch.float32 if p.requires_grad else torch.bfloat16)
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
     ours(x)  # the bf16 copies are made
+    return peft_model, ours, x
+
+
+def test_adapters_cast_again_after_the_optimizer_writes_them() -> None:
+    peft_model, ours, x = _mixed_pair_after_a_forward()
     for model in (peft_model, ours):
         with torch.no_grad():
             for p in model.parameters():
@@ -135,12 +142,7 @@ def test_adapters_cast_again_after_a_fused_adamw_step() -> None:
     """The CPU run's AdamW is the fused kernel, which writes the adapters without bumping their versions: the bf16
     copies made before a step must not serve the forward after it (they did: a run trained on step 1's adapters
     throughout, and a resume, casting afresh, lost exactness)."""
-    peft_model, ours = _pair()
-    for model in (peft_model, ours):
-        for p in model.parameters():
-            p.data = p.data.to(torch.float32 if p.requires_grad else torch.bfloat16)
-    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
-    ours(x)  # the bf16 copies are made
+    peft_model, ours, x = _mixed_pair_after_a_forward()
     for model in (peft_model, ours):
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
