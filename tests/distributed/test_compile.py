@@ -21,7 +21,9 @@ FP32 = ["engine.mixed_precision=fp32", "engine.cpu_offload=false", "model.dtype=
 # Graphs per run for the one decoder-block class: LoRA's first block takes an input with no gradient (the frozen
 # embedding's output), every later block one with a gradient, and dynamo guards on requires_grad: one graph each.
 CASES = {"dense": ("tiny-cpu", [], 1),
-         "lora": ("tiny-lora-cpu", FP32, 2)}  # activation checkpointing on: the recompute calls the compiled block
+         "lora": ("tiny-lora-cpu", FP32, 2),  # activation checkpointing on: the recompute calls the compiled block
+         "qlora": ("tiny-qlora-cpu", FP32, 2),  # NF4 base: engine/custom_ops.py's nf4_linear, one node per Linear
+         "moe": ("tiny-moe-cpu", [], 1)}  # routed experts: custom_ops.grouped_mm, its weight gradients included
 SEQ_LENS = (32,)
 
 

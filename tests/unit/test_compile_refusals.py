@@ -1,5 +1,5 @@
 """engine.compile: what it cannot compile yet is refused by validate in one line (exit 2) naming the key and the
-fix, never run eagerly in silence; the default recipe with it set validates; with engine.backend=torch it warns."""
+fix, never run eagerly in silence; the default recipe with it set validates, and so do QLoRA and MoE."""
 from __future__ import annotations
 
 import subprocess
@@ -14,8 +14,6 @@ from tests.unit.cli_helpers import run_cli
 SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
 UNPACKED = ["engine.compile=true", "data.packing=false"]
 REFUSED = [
-    ("tiny-qlora-cpu", UNPACKED, "QLoRA's NF4 weights do not trace yet"),
-    ("tiny-moe-cpu", UNPACKED, "the experts' grouped matmul does not trace in fp32"),
     ("tiny-cpu", ["engine.compile=true"], "set data.packing=false or engine.compile=false"),
     ("tiny-cpu", [*UNPACKED, "engine.mlp_chunk_tokens=16"], "set engine.mlp_chunk_tokens=0 or engine.compile=false"),
     ("tiny-cpu", [*UNPACKED, "engine.context_parallel=true", "model.attn_implementation=eager"],
@@ -31,16 +29,18 @@ def test_what_compile_cannot_trace_is_refused_in_one_line(recipe, overrides, say
     assert "engine.compile" in lines[0] and says in lines[0], lines[0]
 
 
-def test_installed_executable_refuses_qlora_compile():
-    done = subprocess.run([SHARDTUNE, "validate", "tiny-qlora-cpu", *UNPACKED], capture_output=True, text=True,
+def test_installed_executable_refuses_packed_rows_under_compile():
+    done = subprocess.run([SHARDTUNE, "validate", "tiny-cpu", "engine.compile=true"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert "engine.compile" in done.stderr and "set engine.compile=false" in done.stderr, done.stderr
+    assert "engine.compile" in done.stderr and "set data.packing=false or engine.compile=false" in done.stderr
 
 
-def test_off_by_default_and_unpacked_dense_validates(capsys):
-    assert load_recipe("tiny-cpu", []).engine.compile is False
-    code, out, err = run_cli(["validate", "tiny-cpu", *UNPACKED], capsys)
+@pytest.mark.parametrize("recipe", ["tiny-cpu", "tiny-qlora-cpu", "tiny-moe-cpu"])
+def test_off_by_default_and_unpacked_dense_qlora_moe_validate(recipe, capsys):
+    """QLoRA's NF4 matmuls and the experts' grouped matmul compile as custom ops (engine/custom_ops.py): accepted."""
+    assert load_recipe(recipe, []).engine.compile is False
+    code, out, err = run_cli(["validate", recipe, *UNPACKED], capsys)
     assert code == 0, (out, err)
 
 

@@ -12,21 +12,24 @@ takes column slabs W[:, k] (whole blocks of every row, when a row is whole block
 columns of grad_x, a full-length dot product each, so there is no sum over tiles to hold (row tiles would need an
 fp32 accumulator of grad_x's size: 0.11 GiB for a 70B down_proj at 1024 tokens) and grad_x is rounded once, as
 in the untiled matmul. Row tiles with that accumulator remain for weights whose rows split blocks. Dequantizing a
-tile: one 256-entry table maps each code byte to its two NF4 levels (in the weight's dtype), `index_select` with an
-int32 index writes them straight into the buffer (2 B/weight of index in bf16), then each 64-element block is
-multiplied by its scaler in place. The same elementwise operations as torchao's (a level times its block's
+tile: a 65,536-entry table maps each pair of code bytes, read as one little-endian uint16, to its four NF4 levels
+(in the weight's dtype), `index_select` with an int32 index writes them straight into the buffer (1 B/weight of
+index, half of a byte table's), then each 64-element block is multiplied by its scaler in place. The same elementwise operations as torchao's (a level times its block's
 dequantized scaler, in the weight's dtype), so each tile is bit-identical to the rows of `get_original_weight()`.
 
-`TiledNF4Tensor` is torchao's `NF4Tensor` with `F.linear` routed here; autograd saves only it (views of the
-gathered bytes: no copy), never the input. The tile buffer is the only dequantized storage, its size set by bytes.
+`TiledNF4Tensor` is torchao's `NF4Tensor` with `F.linear` routed here; autograd saves it (views of the gathered
+bytes: no copy) and its block scalers (c/64 B/weight, so the backward does not compute them again), never the
+input. The tile buffer is the only dequantized storage, its size set by bytes.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from shardtune.engine.custom_ops import nf4_linear as nf4_linear_op
 from shardtune.engine.nf4 import NF4Tensor, codebook, nf4_view
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout
 
@@ -44,9 +47,25 @@ class TiledNF4Tensor(NF4Tensor):
             x, w, *rest = args
             bias = rest[0] if rest else (kwargs or {}).get("bias")
             if isinstance(w, TiledNF4Tensor) and not isinstance(x, NF4Tensor):
-                y = _TiledLinear.apply(x, w)
+                # a compiled block (engine/compile.py): the same Function as one custom op, one node of its graph
+                y = nf4_linear_op(x, w) if torch.compiler.is_compiling() else _TiledLinear.apply(x, w)
                 return y if bias is None else y + bias
         return super().__torch_function__(func, types, args, kwargs)
+
+    # A compiled block's graph takes the weight as an input (its parts, flattened): rebuilt as this class, with its
+    # tile size, so the runtime's input matches the traced one (torchao's unflatten makes an NF4Tensor)
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        names, meta = super().__tensor_flatten__()
+        return names, {**meta, "tile_bytes": self.tile_bytes}
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: dict[str, Any], outer_size: Any,
+                             outer_stride: Any) -> TiledNF4Tensor:
+        w = TiledNF4Tensor(meta["tensor_meta"], meta["block_size"], meta["n_blocks"], meta["scaler_block_size"],
+                           inner["quantized_scalers"], inner["quantization_factor"], inner["scaler_mean"],
+                           inner["quantized_data"], inner["nf4"])
+        w.tile_bytes = meta["tile_bytes"]
+        return w
 
 
 def tiled_view(buf: torch.Tensor, layout: Nf4Layout, tile_bytes: int) -> TiledNF4Tensor:
@@ -111,6 +130,23 @@ def _byte_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _PAIRS[key]
 
 
+_WORDS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+# The word table reads two code bytes as one uint16 in the device's byte order: little-endian on every CPU and GPU
+# torch runs on here; a big-endian host would swap each pair's levels.
+assert sys.byteorder == "little"
+
+
+def _word_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(65536, 4): two code bytes b0 b1 (in memory order), read as the uint16 b0 + 256·b1 -> their four levels,
+    b0's two then b1's (torchao's element order). One lookup per 4 weights: its int32 index is 1 B per weight."""
+    key = (dtype, torch.device(device))
+    if key not in _WORDS:
+        pairs = _byte_table(dtype, device)
+        v = torch.arange(1 << 16, device=device)
+        _WORDS[key] = torch.cat([pairs[v & 255], pairs[v >> 8]], dim=1).contiguous()
+    return _WORDS[key]
+
+
 def block_scalers(w: NF4Tensor) -> torch.Tensor:
     """Every 64-element block's scaler, as torchao's dequantize_scalers: int8 / the factor of its scaler block, in
     the weight's dtype, + the mean. 1D, numel/64 (c/64 bytes per weight): computed once per matmul, sliced per tile
@@ -131,8 +167,8 @@ def dequantize_rows(w: NF4Tensor, r0: int, r1: int, out: torch.Tensor,
     assert e0 % BLOCK == 0 and e1 % BLOCK == 0, "tiles hold whole quantization blocks"
     b0, b1 = e0 // BLOCK, e1 // BLOCK
     tile = out[:e1 - e0]
-    codes = w.quantized_data[e0 // 2:e1 // 2].to(torch.int32)
-    torch.index_select(_byte_table(w.dtype, w.device), 0, codes, out=tile.view(-1, 2))
+    codes = w.quantized_data[e0 // 2:e1 // 2].view(torch.uint16).to(torch.int32)
+    torch.index_select(_word_table(w.dtype, w.device), 0, codes, out=tile.view(-1, 4))
     del codes
     scalers = block_scalers(w) if scalers is None else scalers
     tile.view(b1 - b0, BLOCK).mul_(scalers[b0:b1, None])
@@ -147,8 +183,8 @@ def dequantize_cols(w: NF4Tensor, c0: int, c1: int, out: torch.Tensor,
     assert in_f % BLOCK == 0 and c0 % BLOCK == 0 and (c1 % BLOCK == 0 or c1 == in_f), "slabs of whole blocks"
     width = c1 - c0
     tile = out[:out_f * width]
-    codes = w.quantized_data.view(out_f, in_f // 2)[:, c0 // 2:c1 // 2].to(torch.int32)  # (out_f, width/2)
-    torch.index_select(_byte_table(w.dtype, w.device), 0, codes.view(-1), out=tile.view(-1, 2))
+    codes = w.quantized_data.view(out_f, in_f // 2)[:, c0 // 2:c1 // 2].view(torch.uint16).to(torch.int32)
+    torch.index_select(_word_table(w.dtype, w.device), 0, codes.view(-1), out=tile.view(-1, 4))  # (out_f, width/4)
     del codes
     scalers = block_scalers(w) if scalers is None else scalers
     tile.view(out_f, width // BLOCK, BLOCK).mul_(scalers.view(out_f, in_f // BLOCK)[:, c0 // BLOCK:c1 // BLOCK, None])
@@ -158,7 +194,6 @@ def dequantize_cols(w: NF4Tensor, c0: int, c1: int, out: torch.Tensor,
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: TiledNF4Tensor) -> torch.Tensor:
-        ctx.save_for_backward(w)  # views of the gathered NF4 bytes: nothing new is kept alive
         out_f, in_f = w.shape
         # torchao computes in the input's dtype (the weight cast to it): so do the tiles
         x2 = x.reshape(-1, in_f)
@@ -169,6 +204,9 @@ class _TiledLinear(torch.autograd.Function):
         rows = tile_rows(w, w.tile_bytes)
         buf = _buffer(rows * in_f, w.dtype, w.device)
         scalers = block_scalers(w)
+        # w: views of the gathered NF4 bytes (nothing new kept alive); its scalers (c/64 B/weight): two kernels the
+        # backward need not run again
+        ctx.save_for_backward(w, scalers)
         for r0 in range(0, out_f, rows):
             r1 = min(out_f, r0 + rows)
             wt = dequantize_rows(w, r0, r1, buf, scalers).to(x.dtype)
@@ -179,16 +217,16 @@ class _TiledLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:
-        (w,) = ctx.saved_tensors
+        w, *saved = ctx.saved_tensors  # the scalers, unless a caller hands the weight alone (engine/custom_ops.py)
+        scalers = saved[0] if saved else block_scalers(w)
         out_f, in_f = w.shape
         g2 = grad_y.reshape(-1, out_f)
         rows = tile_rows(w, w.tile_bytes)
         buf = _buffer(rows * in_f, w.dtype, w.device)
         if rows >= out_f:
-            gx = g2 @ dequantize_rows(w, 0, out_f, buf).to(grad_y.dtype)
+            gx = g2 @ dequantize_rows(w, 0, out_f, buf, scalers).to(grad_y.dtype)
             return gx.view(*grad_y.shape[:-1], in_f), None
         cols = cols_per_tile(out_f, in_f, w.dtype.itemsize, w.tile_bytes, g2.shape[0])
-        scalers = block_scalers(w)
         if cols:  # column slabs: each writes its own columns of grad_x
             buf = _buffer(out_f * cols, w.dtype, w.device)
             gx = torch.empty(g2.shape[0], in_f, dtype=grad_y.dtype, device=grad_y.device)

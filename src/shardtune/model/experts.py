@@ -125,15 +125,25 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x (S, in) rows sorted by expert @ w (E, in, out) per expert. torch's grouped kernel needs 16-byte aligned
     strides (a rank-4 bf16 adapter's rows are 8 bytes) and, on an accelerator, bf16; otherwise transformers'
-    per-expert fallback op (a loop with one host read)."""
-    # forward and both gradients: every dim of both matrices (in, out, the adapters' r) a multiple of 16 bytes
-    aligned = x.stride(-1) == 1 and all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], *w.shape[-2:]))
-    if aligned and (x.dtype == torch.bfloat16 or not accelerator.is_accelerator(x.device)):
+    per-expert fallback op (a loop with one host read). Inside a compiled block: engine/custom_ops.py's op, one graph
+    node running this function (torch's meta kernel takes bf16 only)."""
+    if torch.compiler.is_compiling():
+        from shardtune.engine import custom_ops
+
+        return custom_ops.grouped_mm(x, w, offsets)
+    if torch_grouped_kernel(x, w):
         return F.grouped_mm(x, w, offs=offsets)
     from transformers.integrations import moe  # registers torch.ops.transformers.grouped_mm_fallback
 
     assert moe is not None
     return torch.ops.transformers.grouped_mm_fallback(x, w, offsets)
+
+
+def torch_grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `grouped_mm(x, w)` runs torch's grouped kernel (else transformers' fallback loop)."""
+    # forward and both gradients: every dim of both matrices (in, out, the adapters' r) a multiple of 16 bytes
+    aligned = x.stride(-1) == 1 and all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], *w.shape[-2:]))
+    return aligned and (x.dtype == torch.bfloat16 or not accelerator.is_accelerator(x.device))
 
 
 def routed_offsets(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -70,9 +70,6 @@ def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
         problems.append(f"engine.context_parallel: {model.config.model_type} has sliding-window attention (window "
                         f"{window}), which context parallelism does not split; set engine.context_parallel=false "
                         "(engine.offload_activations and engine.mlp_chunk_tokens cut long-context memory on one rank)")
-    if recipe.engine.compile and expert_modules(model):
-        problems.append("engine.compile: the experts' grouped matmul does not trace in fp32 (torch's meta kernel "
-                        "takes bf16 only): set engine.compile=false")
     if coef and not expert_modules(model):
         problems.append(f"train.router_aux_loss_coef={coef}: the model has no experts (no router to balance); set 0")
     elif coef and recipe.train.objective != "sft":
@@ -97,8 +94,7 @@ def moe_problems(recipe, model: nn.Module) -> list[str]:  # recipe: Recipe
 
 def model_problems(recipe) -> list[str]:  # recipe: Recipe
     """`validate`'s check, on a meta model (no weights)."""
-    if not (recipe.lora.enabled or recipe.train.router_aux_loss_coef or recipe.engine.context_parallel
-            or recipe.engine.compile):
+    if not (recipe.lora.enabled or recipe.train.router_aux_loss_coef or recipe.engine.context_parallel):
         return []
     from transformers import AutoModelForCausalLM
 
