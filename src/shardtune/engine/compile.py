@@ -5,7 +5,9 @@ engine's hooks stay outside the compiled region: the forward pre-hook that all-g
 parameter views, the post-hook that frees it and the hooks on its outputs run eagerly around the compiled call, and
 the compiled graph sees the gathered views as ordinary tensor inputs (no recompile when they are rebound each step).
 
-`fullgraph=True`: a graph break inside a block raises instead of silently running part of it eagerly.
+`fullgraph=True`: a graph break inside a block raises instead of silently running part of it eagerly. What dynamo
+cannot trace, QLoRA's tiled NF4 matmuls and the experts' grouped matmul, runs as one custom op each
+(engine/custom_ops.py, called where `torch.compiler.is_compiling()`), the eager code inside.
 Static shapes (`dynamic=False`): every row of a run is padded to data.seq_len (validate refuses data.packing with
 engine.compile), so a run has one shape and compiles once per block class. A symbolic sequence length buys nothing
 here: the attention's host document lengths (model/attention.py) are Python ints that specialize it anyway; `run`
