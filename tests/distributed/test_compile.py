@@ -1,7 +1,7 @@
 """engine.compile=true trains what eager trains: the real trainer (train.setup + train.train_step) at 2 ranks, fp32,
 4 steps, per-step loss within 1e-5 of the eager run of the same recipe, with no graph break inside a decoder block
 (fullgraph=True raises on one), and one compile per block class for the whole run, across sequence lengths. One
-spawn for the grid. QLoRA and MoE are refused by validate (tests/unit/test_compile_refusals.py)."""
+spawn for the grid: dense, LoRA, QLoRA, MoE. What validate still refuses: tests/unit/test_compile_refusals.py."""
 from __future__ import annotations
 
 import json
