@@ -113,14 +113,15 @@ def test_the_steps_figures_are_gathered_in_global_order(monkeypatch):
     ("grpo.loss_type=ppo", "grpo.loss_type: must be one of grpo, dr_grpo, dapo, bnpo, got 'ppo'"),
     ("grpo.scale_rewards=std", "grpo.scale_rewards: must be one of group, batch, none, got 'std'"),
     ("grpo.reward_weights=[1,2]", "grpo.reward_weights: must be 1 numbers"),
-    ("grpo.beta=0.04", "grpo.beta: 0.04 needs a reference model"),
     ("data.format=instruction", "train.objective: objective grpo with data.format=instruction"),
 ])
 def test_schema_refuses_bad_grpo_settings_in_one_line(override, message):
     with pytest.raises(ValueError) as e:
         load_recipe(REPO / "recipes" / "tiny-grpo-cpu.yaml", [override])
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-    assert load_recipe(REPO / "recipes" / "tiny-grpo-cpu.yaml", ["grpo.beta=0.04", "lora.enabled=true"]).grpo.beta
+    for lora in ("true", "false"):  # the reference: the base with adapters off, or a frozen copy (full fine-tuning)
+        assert load_recipe(REPO / "recipes" / "tiny-grpo-cpu.yaml", ["grpo.beta=0.04", f"lora.enabled={lora}"]
+                           ).grpo.beta == 0.04
 
 
 def test_sft_with_prompt_data_is_one_line_exit_2_in_validate(capsys):
@@ -128,6 +129,14 @@ def test_sft_with_prompt_data_is_one_line_exit_2_in_validate(capsys):
 
     code, _, err = run_cli(["validate", "tiny-grpo-cpu", "train.objective=sft"], capsys)
     assert code == 2 and err.count("\n") == 1 and "data.format: objective sft with data.format=prompt" in err, err
+
+
+def test_validate_takes_a_kl_term_under_full_finetuning(capsys):
+    """The reference is a frozen sharded copy there (it was refused: 'full fine-tuning has no frozen copy yet')."""
+    from tests.unit.cli_helpers import run_cli
+
+    code, out, err = run_cli(["validate", "tiny-grpo-cpu", "grpo.beta=0.04"], capsys)
+    assert code == 0 and "grpo.beta" not in err, (out, err)
 
 
 def test_a_step_makes_positive_advantage_completions_likelier(one_rank):
@@ -189,6 +198,30 @@ def test_lora_reference_is_the_base_with_adapters_off(one_rank):
     assert abs(records[0]["kl"]) < 1e-7 and records[1]["kl"] > 1e-6, [r["kl"] for r in records]
     r = run.objective.rollouts[0]
     assert r.ref_logps is not None and r.old_logps is None  # one pass per round: no kept log-probs
+
+
+def test_full_finetuning_reference_is_the_starting_weights_after_a_resume(one_rank):
+    """grpo.beta > 0, full fine-tuning: the reference is a frozen copy of the starting weights (trainer/reference.py),
+    KL 0 at step 1 (policy = reference), > 0 after. A run resumed at step 2 rebuilds it from the model source (the
+    seeded random init), not from the checkpoint: the same reference, so its step 3 is the uninterrupted run's."""
+    from shardtune.trainer.train import resume, save_checkpoint
+
+    extra = ("grpo.beta=0.5", "train.grad_accum=1")
+    run = _run(one_rank, "full_kl", *extra)
+    records = [train_step(run, s, None) for s in range(2)]
+    save_checkpoint(run, 2)
+    records.append(train_step(run, 2, None))
+    assert records[0]["kl"] == 0 and records[1]["kl"] > 1e-6, [r["kl"] for r in records]
+    ref = run.objective.reference
+    assert ref is not None and all(not p.requires_grad and p.grad is None for p in ref.module.parameters())
+    trained = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+    assert trained.isdisjoint(id(p) for p in ref.module.parameters())
+    resumed = _run(one_rank, "full_kl", *extra)
+    assert resume(resumed) == 2
+    again = train_step(resumed, 2, None)
+    for a, b in zip(ref.module.parameters(), resumed.objective.reference.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert again["kl"] == records[2]["kl"] > 1e-6 and again["loss"] == records[2]["loss"]
 
 
 def test_round_metrics_are_trls_figures_over_the_global_batch():
