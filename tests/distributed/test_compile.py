@@ -1,7 +1,7 @@
 """engine.compile=true trains what eager trains: the real trainer (train.setup + train.train_step) at 2 ranks, fp32,
 4 steps, per-step loss within 1e-5 of the eager run of the same recipe, with no graph break inside a decoder block
 (fullgraph=True raises on one), and one compile per block class for the whole run, across sequence lengths. One
-spawn for the grid: dense, LoRA, QLoRA, MoE. What validate still refuses: tests/unit/test_compile_refusals.py."""
+spawn for the grid: dense, LoRA, QLoRA, MoE, packed rows. What validate still refuses: tests/unit/test_compile_refusals.py."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tests.distributed.harness import run_distributed
 
 from shardtune.config.load import load_recipe
+from shardtune.engine import compile as compile_module
 from shardtune.trainer.train import setup, train_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +24,9 @@ FP32 = ["engine.mixed_precision=fp32", "engine.cpu_offload=false", "model.dtype=
 CASES = {"dense": ("tiny-cpu", [], 1),
          "lora": ("tiny-lora-cpu", FP32, 2),  # activation checkpointing on: the recompute calls the compiled block
          "qlora": ("tiny-qlora-cpu", FP32, 2),  # NF4 base: engine/custom_ops.py's nf4_linear, one node per Linear
-         "moe": ("tiny-moe-cpu", [], 1)}  # routed experts: custom_ops.grouped_mm, its weight gradients included
+         "moe": ("tiny-moe-cpu", [], 1),  # routed experts: custom_ops.grouped_mm, its weight gradients included
+         # documents as a tensor (custom_ops.document_attention); rows of 96 tokens hold several of them
+         "packed": ("tiny-cpu", ["data.packing=true", "data.seq_len=96"], 1)}
 SEQ_LENS = (32,)
 
 
@@ -53,10 +56,15 @@ def _steps(tmp: str, case: str, compiled: bool, seq_len: int) -> None:
     torch._dynamo.reset()  # count this run's compiles from zero
     torch._dynamo.utils.counters.clear()
     run = setup(recipe)
-    records = [train_step(run, s, None) for s in range(STEPS)]
+    records, layouts = [], []
+    for s in range(STEPS):
+        records.append(train_step(run, s, None))
+        if compiled and recipe.data.packing:  # the documents the compiled blocks were handed (engine/compile.py)
+            layouts.append([n for n in compile_module._LAST[0][1][0].tolist() if n])
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if rank == 0:
-        Path(tmp, f"{name}.json").write_text(json.dumps({"loss": [r["loss"] for r in records], "graphs": graphs}))
+        Path(tmp, f"{name}.json").write_text(json.dumps({"loss": [r["loss"] for r in records], "graphs": graphs,
+                                                         "layouts": layouts}))
 
 
 def test_compiled_blocks_train_what_eager_trains(tmp_path):
@@ -72,3 +80,7 @@ def test_compiled_blocks_train_what_eager_trains(tmp_path):
             assert compiled["graphs"] == CASES[case][2], (case, n, compiled["graphs"])
             for step, (a, b) in enumerate(zip(eager["loss"], compiled["loss"], strict=True)):
                 assert abs(a - b) <= TOL * max(1.0, abs(a)), (case, n, step, a, b)
+    # packed: rows of several documents, a different layout every step, and still the one graph
+    layouts = json.loads((tmp_path / f"packed-compiled-{SEQ_LENS[0]}.json").read_text())["layouts"]
+    assert len(layouts) == STEPS and min(map(len, layouts)) >= 3, layouts
+    assert len({tuple(x) for x in layouts}) == STEPS, layouts

@@ -1,5 +1,5 @@
 """engine.compile: what it cannot compile yet is refused by validate in one line (exit 2) naming the key and the
-fix, never run eagerly in silence; the default recipe with it set validates, and so do QLoRA and MoE."""
+fix, never run eagerly in silence; the default recipe with it set validates, and so do QLoRA, MoE and packed rows."""
 from __future__ import annotations
 
 import subprocess
@@ -14,7 +14,6 @@ from tests.unit.cli_helpers import run_cli
 SHARDTUNE = str(Path(sys.executable).with_name("shardtune"))
 UNPACKED = ["engine.compile=true", "data.packing=false"]
 REFUSED = [
-    ("tiny-cpu", ["engine.compile=true"], "set data.packing=false or engine.compile=false"),
     ("tiny-cpu", [*UNPACKED, "engine.mlp_chunk_tokens=16"], "set engine.mlp_chunk_tokens=0 or engine.compile=false"),
     ("tiny-cpu", [*UNPACKED, "engine.context_parallel=true", "model.attn_implementation=eager"],
      "context parallelism's collectives"),
@@ -29,18 +28,20 @@ def test_what_compile_cannot_trace_is_refused_in_one_line(recipe, overrides, say
     assert "engine.compile" in lines[0] and says in lines[0], lines[0]
 
 
-def test_installed_executable_refuses_packed_rows_under_compile():
-    done = subprocess.run([SHARDTUNE, "validate", "tiny-cpu", "engine.compile=true"], capture_output=True, text=True,
-                          timeout=120)
+def test_installed_executable_refuses_mlp_chunks_under_compile():
+    done = subprocess.run([SHARDTUNE, "validate", "tiny-cpu", "engine.compile=true", "engine.mlp_chunk_tokens=16"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert "engine.compile" in done.stderr and "set data.packing=false or engine.compile=false" in done.stderr
+    assert "engine.compile" in done.stderr and "set engine.mlp_chunk_tokens=0 or engine.compile=false" in done.stderr
 
 
 @pytest.mark.parametrize("recipe", ["tiny-cpu", "tiny-qlora-cpu", "tiny-moe-cpu"])
-def test_off_by_default_and_unpacked_dense_qlora_moe_validate(recipe, capsys):
-    """QLoRA's NF4 matmuls and the experts' grouped matmul compile as custom ops (engine/custom_ops.py): accepted."""
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_off_by_default_and_dense_qlora_moe_validate_packed_or_not(recipe, packing, capsys):
+    """QLoRA's NF4 matmuls, the experts' grouped matmul and packed rows' attention compile as custom ops
+    (engine/custom_ops.py): accepted."""
     assert load_recipe(recipe, []).engine.compile is False
-    code, out, err = run_cli(["validate", recipe, *UNPACKED], capsys)
+    code, out, err = run_cli(["validate", recipe, "engine.compile=true", f"data.packing={packing}"], capsys)
     assert code == 0, (out, err)
 
 

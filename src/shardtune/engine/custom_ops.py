@@ -11,6 +11,11 @@ directly); a compiled run calls them where `torch.compiler.is_compiling()` (mode
   traced, the graph would save that buffer, which later tiles overwrite. The op takes the weight's plain parts
   (views of the gathered bytes, ordinary graph inputs rebound every step), rebuilds the same weight inside and runs
   the eager Function; its backward, the eager backward, computes the input's gradient only (the base is frozen).
+- `document_attention`: packed rows' attention (model/attention.py), one causal SDPA per document (or varlen on a
+  GPU) from host document lengths, which dynamo would specialize on (a compile per batch). The op takes them as a
+  host tensor of a fixed shape (rows x seq_len, zero-padded: engine/compile.py), so one graph serves every batch.
+  Its backward recomputes the attention's forward to take its vector-Jacobian product (torch.func.vjp): autograd
+  does not record inside an op. Cost: one more attention forward per block backward; no attention dropout.
 Every op saves for backward what the eager code saves (its inputs; the NF4 parts), never a dequantized copy.
 """
 from __future__ import annotations
@@ -207,3 +212,59 @@ def _nf4_grouped_bwd(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
 
 
 _nf4_grouped.register_autograd(_nf4_grouped_bwd, setup_context=_nf4_grouped_setup)
+
+# -- packed rows' attention ----------------------------------------------------------------------------------------
+
+
+def document_attention(query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+                       window: int | None) -> Tensor:
+    """model/attention.document_attention over packed rows whose documents come as `lengths` (host int64, (rows,
+    seq_len): each row's document lengths, then zeros) -> [b, s, heads, d]."""
+    return _document_attention(query, key, value, lengths, scaling, window)
+
+
+def _eager_attention(query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+                     window: int | None) -> Tensor:
+    from shardtune.model.attention import document_attention as eager
+
+    docs = tuple(tuple(n for n in row if n) for row in lengths.tolist())  # a host tensor: no device sync
+    extra = {} if window is None else {"sliding_window": window}
+    return eager(None, query, key, value, None, scaling=scaling, doc_lengths=docs, **extra)[0]
+
+
+@torch.library.custom_op("shardtune::document_attention", mutates_args=())
+def _document_attention(query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+                        window: int | None) -> Tensor:
+    return _eager_attention(query, key, value, lengths, scaling, window).contiguous()
+
+
+@_document_attention.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+      window: int | None) -> Tensor:
+    b, h, s, d = query.shape
+    return query.new_empty(b, s, h, d)
+
+
+@torch.library.custom_op("shardtune::document_attention_backward", mutates_args=())
+def _document_attention_backward(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, lengths: Tensor,
+                                 scaling: float | None, window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    _, vjp = torch.func.vjp(lambda q, k, v: _eager_attention(q, k, v, lengths, scaling, window), query, key, value)
+    return tuple(g.contiguous() for g in vjp(grad.contiguous()))
+
+
+@_document_attention_backward.register_fake
+def _(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+      window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[:4])
+    ctx.meta = inputs[4:]
+
+
+def _attention_bwd(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    return (*_document_attention_backward(grad, *ctx.saved_tensors, *ctx.meta), None, None, None)
+
+
+_document_attention.register_autograd(_attention_bwd, setup_context=_attention_setup)

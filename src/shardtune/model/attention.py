@@ -61,6 +61,14 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # a 4-D mask of the caller's, or a KV cache
         return cached_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                 **kwargs), None
+    if isinstance(doc_lengths, torch.Tensor):  # packed rows in a compiled block (engine/compile.py): one custom op
+        from shardtune.engine import custom_ops
+
+        if dropout:
+            raise ValueError("attention dropout in a compiled block over packed rows: its backward recomputes the "
+                             "attention; set engine.compile=false or data.packing=false")
+        return custom_ops.document_attention(query, key, value, doc_lengths, scaling,
+                                             kwargs.get("sliding_window")), None
     b, _, s, _ = query.shape
     gqa = key.shape[1] != query.shape[1]
     window = kwargs.get("sliding_window")  # None on full-attention layers and models without one

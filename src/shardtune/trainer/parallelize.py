@@ -84,7 +84,7 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
         # bookkeeping is traced, and the recompute calls the same compiled graph again.
         from shardtune.engine.compile import compile_units
 
-        compile_units(model, policy.unit_classes, policy.min_unit_params)
+        compile_units(model, policy.unit_classes, policy.min_unit_params, packed=recipe.data.packing)
     ac = engine.activation_checkpointing
     if ac is not False:
         offloader = ActivationOffloader(device) if policy.offload_activations else None

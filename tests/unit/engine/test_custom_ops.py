@@ -79,3 +79,27 @@ def test_nf4_experts_compile_to_one_graph_equal_to_eager(tile_bytes):
                                  tile_bytes=tile_bytes)
 
     _compiled_equals_eager(lambda x: holder["w"].grouped_linear(x.view(-1, 64), OFFSETS).tanh(), bind, 64)
+
+
+@pytest.mark.parametrize("window", [None, 3])  # plain causal per document; a sliding window's band
+def test_packed_rows_attention_compiles_to_one_graph_equal_to_eager(window):
+    """Two batches of different document layouts: one graph (the lengths are a tensor input, not guarded on)."""
+    from shardtune.engine.compile import _lengths_tensor
+    from shardtune.model.attention import document_attention
+
+    extra = {} if window is None else {"sliding_window": window}
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(lambda q, k, v, t: document_attention(None, q, k, v, None, doc_lengths=t, **extra)[0],
+                             fullgraph=True, dynamic=False, backend="aot_eager")
+    for step, docs in enumerate((((3, 5), (8,)), ((1, 2, 5), (6, 2)))):
+        g = torch.Generator().manual_seed(step)
+        q, k, v = (torch.randn(2, h, 8, 4, generator=g, requires_grad=True) for h in (4, 2, 2))  # GQA
+        eager = document_attention(None, q, k, v, None, doc_lengths=docs, **extra)[0]
+        ours = compiled(q, k, v, _lengths_tensor(docs))
+        grad = torch.randn(eager.shape, generator=g)
+        assert torch.allclose(eager, ours, atol=1e-6), step
+        for a, b in zip(torch.autograd.grad(eager, (q, k, v), grad), torch.autograd.grad(ours, (q, k, v), grad),
+                        strict=True):
+            assert torch.allclose(a, b, atol=1e-6), step
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
