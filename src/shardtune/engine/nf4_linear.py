@@ -158,34 +158,57 @@ def block_scalers(w: NF4Tensor) -> torch.Tensor:
     return (q / w.quantization_factor.view(-1, 1)).view(-1).to(w.dtype) + w.scaler_mean
 
 
+LOOKUP_FLOOR = 64 << 20  # bytes of int32 index one lookup may take, whatever the tile size
+
+
+def lookup_words(tile_bytes: int) -> int:
+    """Most code words (two code bytes, four weights) one table lookup indexes in a tile of `tile_bytes`: its int32
+    index (1 B/weight, half the tile's bytes in bf16) at most a quarter of the tile, or LOOKUP_FLOOR. A large tile
+    (a whole 70B MLP weight: 448 MiB in bf16) is looked up in pieces, two kernels each (cast, lookup), so that its
+    index adds a quarter to the tile, not a half, where one more tile would cost four kernels (and a GEMM of half
+    the size); a tile whose index is under LOOKUP_FLOOR takes one lookup."""
+    return max(tile_bytes // 4, LOOKUP_FLOOR) // 4
+
+
+def _lookup(words: torch.Tensor, out: torch.Tensor, table: torch.Tensor, step: int) -> None:
+    """out[i] = table[words[i]] for (n, k) code words (uint16) into (n·k, 4) `out`, `step` words at a time (whole
+    rows of `words`): one int32 index piece alive at a time."""
+    rows = max(1, step // max(1, words.shape[1]))
+    for r in range(0, words.shape[0], rows):
+        index = words[r:r + rows].to(torch.int32)
+        k = index.numel()
+        torch.index_select(table, 0, index.view(-1), out=out[r * words.shape[1]:r * words.shape[1] + k])
+        del index
+
+
 def dequantize_rows(w: NF4Tensor, r0: int, r1: int, out: torch.Tensor,
-                    scalers: torch.Tensor | None = None) -> torch.Tensor:
+                    scalers: torch.Tensor | None = None, words: int = 0) -> torch.Tensor:
     """Rows [r0, r1) of the weight into `out` (1D, >= (r1-r0)*in elements, w.dtype); returns the (rows, in) view.
-    `scalers`: `block_scalers(w)`, when the caller dequantizes several tiles."""
+    `scalers`: `block_scalers(w)`, when the caller dequantizes several tiles; `words`: most code words per lookup
+    (`lookup_words`; 0: one lookup)."""
     in_f = w.shape[1]
     e0, e1 = r0 * in_f, r1 * in_f
     assert e0 % BLOCK == 0 and e1 % BLOCK == 0, "tiles hold whole quantization blocks"
     b0, b1 = e0 // BLOCK, e1 // BLOCK
     tile = out[:e1 - e0]
-    codes = w.quantized_data[e0 // 2:e1 // 2].view(torch.uint16).to(torch.int32)
-    torch.index_select(_word_table(w.dtype, w.device), 0, codes, out=tile.view(-1, 4))
-    del codes
+    codes = w.quantized_data[e0 // 2:e1 // 2].view(torch.uint16)
+    _lookup(codes.view(1, -1) if not words or words >= codes.numel() else codes.view(-1, BLOCK // 4),
+            tile.view(-1, 4), _word_table(w.dtype, w.device), words or codes.numel())
     scalers = block_scalers(w) if scalers is None else scalers
     tile.view(b1 - b0, BLOCK).mul_(scalers[b0:b1, None])
     return tile.view(r1 - r0, in_f)
 
 
 def dequantize_cols(w: NF4Tensor, c0: int, c1: int, out: torch.Tensor,
-                    scalers: torch.Tensor | None = None) -> torch.Tensor:
+                    scalers: torch.Tensor | None = None, words: int = 0) -> torch.Tensor:
     """Columns [c0, c1) of every row (block-aligned, rows of whole blocks) into `out` (1D, >= out_f*(c1-c0)
     elements, w.dtype); returns the (out_f, c1-c0) view. Element for element the operations of `dequantize_rows`."""
     out_f, in_f = w.shape
     assert in_f % BLOCK == 0 and c0 % BLOCK == 0 and (c1 % BLOCK == 0 or c1 == in_f), "slabs of whole blocks"
     width = c1 - c0
     tile = out[:out_f * width]
-    codes = w.quantized_data.view(out_f, in_f // 2)[:, c0 // 2:c1 // 2].view(torch.uint16).to(torch.int32)
-    torch.index_select(_word_table(w.dtype, w.device), 0, codes.view(-1), out=tile.view(-1, 4))  # (out_f, width/4)
-    del codes
+    codes = w.quantized_data.view(out_f, in_f // 2)[:, c0 // 2:c1 // 2].view(torch.uint16)  # (out_f, width/4)
+    _lookup(codes, tile.view(-1, 4), _word_table(w.dtype, w.device), words or codes.numel())
     scalers = block_scalers(w) if scalers is None else scalers
     tile.view(out_f, width // BLOCK, BLOCK).mul_(scalers.view(out_f, in_f // BLOCK)[:, c0 // BLOCK:c1 // BLOCK, None])
     return tile.view(out_f, width)
@@ -209,7 +232,7 @@ class _TiledLinear(torch.autograd.Function):
         ctx.save_for_backward(w, scalers)
         for r0 in range(0, out_f, rows):
             r1 = min(out_f, r0 + rows)
-            wt = dequantize_rows(w, r0, r1, buf, scalers).to(x.dtype)
+            wt = dequantize_rows(w, r0, r1, buf, scalers, lookup_words(w.tile_bytes)).to(x.dtype)
             # straight into the tile's output columns: a GEMM writes a strided result (leading dimension out_f)
             # in place, so a tile costs its dequantization and one matmul, no product to copy
             torch.mm(x2, wt.t(), out=y[:, r0:r1])
@@ -224,7 +247,7 @@ class _TiledLinear(torch.autograd.Function):
         rows = tile_rows(w, w.tile_bytes)
         buf = _buffer(rows * in_f, w.dtype, w.device)
         if rows >= out_f:
-            gx = g2 @ dequantize_rows(w, 0, out_f, buf, scalers).to(grad_y.dtype)
+            gx = g2 @ dequantize_rows(w, 0, out_f, buf, scalers, lookup_words(w.tile_bytes)).to(grad_y.dtype)
             return gx.view(*grad_y.shape[:-1], in_f), None
         cols = cols_per_tile(out_f, in_f, w.dtype.itemsize, w.tile_bytes, g2.shape[0])
         if cols:  # column slabs: each writes its own columns of grad_x
@@ -232,12 +255,14 @@ class _TiledLinear(torch.autograd.Function):
             gx = torch.empty(g2.shape[0], in_f, dtype=grad_y.dtype, device=grad_y.device)
             for c0 in range(0, in_f, cols):
                 c1 = min(in_f, c0 + cols)
-                torch.mm(g2, dequantize_cols(w, c0, c1, buf, scalers).to(grad_y.dtype), out=gx[:, c0:c1])
+                slab = dequantize_cols(w, c0, c1, buf, scalers, lookup_words(w.tile_bytes))
+                torch.mm(g2, slab.to(grad_y.dtype), out=gx[:, c0:c1])
             return gx.view(*grad_y.shape[:-1], in_f), None
         # Rows that split blocks: a sum over row tiles: accumulated in fp32 (each tile's product rounded once to the compute dtype), so a bf16
         # run sees about the one rounding of torchao's single matmul, not one per tile. N x in x 4 bytes.
         acc = torch.zeros(g2.shape[0], in_f, dtype=torch.float32, device=grad_y.device)
         for r0 in range(0, out_f, rows):
             r1 = min(out_f, r0 + rows)
-            acc.add_(g2[:, r0:r1] @ dequantize_rows(w, r0, r1, buf, scalers).to(grad_y.dtype))
+            wt = dequantize_rows(w, r0, r1, buf, scalers, lookup_words(w.tile_bytes))
+            acc.add_(g2[:, r0:r1] @ wt.to(grad_y.dtype))
         return acc.to(grad_y.dtype).view(*grad_y.shape[:-1], in_f), None

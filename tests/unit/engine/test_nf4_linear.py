@@ -11,9 +11,11 @@ from shardtune.engine.nf4 import quantize
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout, scaler_block
 from shardtune.engine.nf4_linear import (
     TiledNF4Tensor,
+    block_scalers,
     cols_per_tile,
     dequantize_cols,
     dequantize_rows,
+    lookup_words,
     release_buffers,
     tile_rows,
     tiled_view,
@@ -70,6 +72,46 @@ def test_column_slabs_equal_torchao(dtype):
     g = torch.randn(4, out_f, dtype=dtype)
     F.linear(x, tiled).backward(g)
     torch.testing.assert_close(x.grad, g @ full.to(dtype), rtol=1e-5, atol=1e-6)  # the same matmul, per column
+
+
+@pytest.mark.parametrize("cols", [False, True])
+def test_lookup_index_is_one_byte_per_weight(cols):
+    """A tile's table lookup reads two code bytes per index (the 65,536-entry table): its int32 index is 1 B per
+    weight, half of what one index per code byte takes; the tile is bit-identical to torchao's all the same."""
+    out_f, in_f = 256, 1024
+    tiled, ref = _weights((out_f, in_f), torch.bfloat16, tile_bytes=1 << 30)
+    buf = torch.empty(out_f * in_f, dtype=torch.bfloat16)
+    scalers = block_scalers(tiled)
+    full = ref.get_original_weight()
+    (dequantize_cols(tiled, 0, in_f, buf, scalers) if cols else dequantize_rows(tiled, 0, out_f, buf, scalers))
+    tracker = CpuMemoryTracker().start()
+    base = tracker.live_bytes()
+    tile = (dequantize_cols(tiled, 64, 640, buf, scalers) if cols else dequantize_rows(tiled, 0, out_f, buf, scalers))
+    peak = tracker.peak_bytes() - base
+    tracker.stop()
+    assert torch.equal(tile, full[:, 64:640] if cols else full)
+    weights = tile.numel()
+    assert weights <= peak <= weights + 4096, (peak, weights)
+
+
+@pytest.mark.parametrize("cols", [False, True])
+def test_lookup_in_pieces(cols):
+    """A tile looked up in pieces of `words` code words: bit-identical, and only one piece's index (4 B per word)
+    alive at a time. lookup_words: a quarter of the tile's bytes of index, at least LOOKUP_FLOOR's."""
+    out_f, in_f, words = 256, 1024, 2048
+    tiled, ref = _weights((out_f, in_f), torch.bfloat16, tile_bytes=1 << 30)
+    buf = torch.empty(out_f * in_f, dtype=torch.bfloat16)
+    scalers = block_scalers(tiled)
+    tracker = CpuMemoryTracker().start()
+    base = tracker.live_bytes()
+    tile = (dequantize_cols(tiled, 64, 640, buf, scalers, words) if cols
+            else dequantize_rows(tiled, 0, out_f, buf, scalers, words))
+    peak = tracker.peak_bytes() - base
+    tracker.stop()
+    full = ref.get_original_weight()
+    assert torch.equal(tile, full[:, 64:640] if cols else full)
+    assert 4 * words // 2 < peak <= 4 * words + 4096, peak  # cols: whole rows of 144 words, 14 rows a piece
+    assert lookup_words(448 << 20) * 4 == 112 << 20 and lookup_words(32 << 20) * 4 == 64 << 20
 
 
 def test_column_slabs_hold_no_accumulator():
