@@ -47,7 +47,7 @@ FACTORS: dict[str, list[Any]] = {
     "vocab_parallel": [True, False],
     "shard_adapter_states": [True, False],
     "backend": ["shardtune", "torch"],
-    "objective": ["sft", "dpo"],
+    "objective": ["sft", "dpo", "grpo"],
     "grad_accum": [1, 2],
     # Beyond the list, what later options let a user write: a mixture of experts (tiny-moe-cpu), the long
     # context options, and micro-batches of several rows (a chunk of the sequence across rows once broke MoE blocks)
@@ -67,6 +67,14 @@ BASE = ("data.num_samples=48", "data.seq_len=32", "data.eval_fraction=0.1",
 TUNING = {"full": (), "lora": ("lora.enabled=true", "lora.r=4", "lora.alpha=8"),
           "qlora": ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.quantize_base=nf4")}
 DPO = ("train.objective=dpo", "data.format=preference", "data.path=builtin:prefer-reverse")
+# GRPO's step samples 2 completions of 2 tokens per prompt on the simulated GPU (the held-out greedy ones first; top-k
+# then top-p, so the sampler's sort and filter run there too), keeps the sampling policy's log-probs (num_iterations
+# 2) and, under LoRA, the reference's (beta > 0: a forward with the adapters off), then steps on them
+GRPO = ("train.objective=grpo", "data.format=prompt", "data.path=builtin:prompt-reverse", "grpo.num_generations=2",
+        "grpo.max_new_tokens=2", "grpo.num_iterations=2", "grpo.top_k=8", "grpo.top_p=0.9")
+GRPO_KL = ("grpo.beta=0.04",)  # full fine-tuning has no reference copy: validate refuses beta > 0 there
+OBJECTIVE = {"sft": lambda row: (), "dpo": lambda row: DPO,
+             "grpo": lambda row: GRPO + (GRPO_KL if row["tuning"] != "full" else ())}
 
 
 def overrides(row: Row) -> list[str]:
@@ -76,7 +84,7 @@ def overrides(row: Row) -> list[str]:
            f"engine.cpu_offload={row['offload']}", f"engine.vocab_parallel={row['vocab_parallel']}",
            f"engine.shard_adapter_states={row['shard_adapter_states']}", f"engine.backend={row['backend']}",
            f"train.grad_accum={row['grad_accum']}", f"launch.nproc_per_node={row['world']}", *TUNING[row["tuning"]],
-           *(DPO if row["objective"] == "dpo" else ()), *LONG_CONTEXT[row["long_context"]],
+           *OBJECTIVE[row["objective"]](row), *LONG_CONTEXT[row["long_context"]],
            f"train.micro_batch_size={row['rows']}", f"engine.context_parallel={row['context_parallel']}"]
     if row["strategy"] == "hybrid_shard":  # 2 replicas of W/2 ranks: 2x2 at W=4, 2x4 at W=8
         out.append(f"engine.hybrid_shard_size={max(1, row['world'] // 2)}")
@@ -127,6 +135,10 @@ EXTRA: list[Row] = [
     # QLoRA on FSDP2 without offload (the array's two rows of the pair also offload)
     {"world": 2, "strategy": "full_shard", **_DEFAULTS, "precision": "bf16", "backend": "torch", "offload": False,
      "tuning": "qlora"},
+    # GRPO with QLoRA on FSDP2 (the array's pairs hold grpo x qlora and grpo x torch apart): sampling and the
+    # adapters-off reference forward on torchao's NF4 weights (MoE: validate refuses NF4 experts on FSDP2)
+    {"world": 2, "strategy": "full_shard", **_DEFAULTS, "precision": "bf16", "backend": "torch", "objective": "grpo",
+     "offload": False, "tuning": "qlora"},
 ]
 
 
@@ -163,6 +175,8 @@ def step_save_resume(row: Row, out: Path) -> None:
     finally:
         tracker.stop()
     assert record["step"] == 1, record
+    if row["objective"] == "grpo":  # each prompt's 2 completions drawn, 2 tokens each (the simulated reads never stop)
+        assert record["completions/mean_length"] == 2 and "reward" in record, record
     assert row["backend"] == "torch" or row["world"] == 1 or record["comm_bytes"] > 0, record  # FSDP2 counts none
     books = tracker.device  # blocks are rounded up and carved from segments; the step ends with a device sync
     assert books.peak_reserved >= books.peak_allocated >= tracker.peak_bytes() > 0, vars(books)
