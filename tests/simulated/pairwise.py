@@ -4,9 +4,9 @@ fills the other factors one at a time with the value that covers the most uncove
 candidates the one covering most is kept; ties broken by a seeded shuffle, so the array is the same every run).
 
 `refused(row)` names why the product refuses a row (None when it runs); it is asked only of the candidates about
-to be kept (it may be slow). A refused row covers nothing; when every candidate is refused, a seed pair the product
-refuses with every other factor at its first value is dropped from what must be covered and reported, so the
-caller can assert the refusal instead of running it.
+to be kept (it may be slow), once per distinct row. A refused row covers nothing; when every candidate is refused, a
+seed pair the product refuses with every other factor at its first value is dropped from what must be covered and
+reported, so the caller can assert the refusal instead of running it.
 """
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ def all_pairs(factors: Mapping[str, Sequence[Any]], refused: Callable[[Row], str
     value)`: what a value adds to a row's cost (ranks started, say); among equally covering choices the cheaper wins."""
     names = list(factors)
     rng = random.Random(seed)
+    answers: dict[tuple, str | None] = {}
+
+    def ask(row: Row) -> str | None:  # once per distinct row: a probe recurs in every round whose candidates all fail
+        key = tuple(row[n] for n in names)
+        if key not in answers:
+            answers[key] = refused(row)
+        return answers[key]
+
     uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
                  for va in factors[a] for vb in factors[b]}
     refusals: list[tuple[Row, str]] = []
@@ -39,14 +47,14 @@ def all_pairs(factors: Mapping[str, Sequence[Any]], refused: Callable[[Row], str
                              for i, row in enumerate(_candidate(factors, names, seed, uncovered, rng, cost)
                                                      for seed in seeds)),
                             key=lambda c: (-c[0], c[1], c[2]))
-        best = next((row for *_, row in candidates if refused(row) is None), None)  # asked lazily: it costs
+        best = next((row for *_, row in candidates if ask(row) is None), None)  # asked lazily: it costs
         if best is not None:
             rows.append(best)
             uncovered -= _pairs(best, names)
             continue
         for a, va, b, vb in set(seeds):  # every candidate refused: is its seed pair refused on its own?
             probe = {n: factors[n][0] for n in names} | {a: va, b: vb}
-            reason = refused(probe)
+            reason = ask(probe)
             if reason is not None and (a, va, b, vb) in uncovered:
                 uncovered.discard((a, va, b, vb))
                 refusals.append((probe, reason))
