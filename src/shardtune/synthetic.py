@@ -25,6 +25,22 @@ def _add(rng: random.Random) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
+_NAMES = ("Ava", "Ben", "Chloe", "Dev", "Emma", "Femi", "Greta", "Hiro", "Ines", "Jonas")
+_ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "stamps", "shells", "cards")
+_INSTRUCTION = ("Solve the math word problem. Reason step by step inside <think> </think>, then give the final "
+                "answer as a single number after the closing tag.\n\nQuestion: ")
+
+
+def _word_problem(rng: random.Random) -> tuple[str, str]:
+    """A GSM8K-like two-step word problem behind a reasoning instruction (a GRPO prompt's usual shape); the answer
+    a number. Prompts run 300-325 characters: past a 256-token budget under the character tokenizer."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, n, k, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(2, 12), rng.randint(1, 9)
+    question = (f"{name} has {a} {item}. At the market {name} buys {n} boxes with {k} {item} in each box, then gives "
+                f"{c} {item} to a friend. How many {item} does {name} have now?")
+    return f"{_INSTRUCTION}{question}\nAnswer:", str(a + n * k - c)
+
+
 def _wrong_reversal(rng: random.Random, s: str) -> str:
     """A plausible mistake: mostly the string copied instead of reversed, else its reversal with one letter
     changed (harder: a 6-character reversal must be right at every position to tell)."""
@@ -40,11 +56,11 @@ def _wrong_reversal(rng: random.Random, s: str) -> str:
     return r[1:] + r[0]  # a rotation of a non-constant string; constant ones are re-drawn by the caller
 
 
-TASKS = {"reverse": _reverse, "sort": _sort, "add": _add}
+TASKS = {"reverse": _reverse, "sort": _sort, "add": _add, "word-problem": _word_problem}
 PREFERENCE_TASKS = {"prefer-reverse": "reverse"}  # name -> the task whose answer is the chosen response
 # GRPO (data.format=prompt): name -> the task whose rows become {prompt, answer}, the answer a column for the
 # reward functions (exact_match reads `answer`), never shown to the policy
-PROMPT_TASKS = {"prompt-reverse": "reverse"}
+PROMPT_TASKS = {"prompt-reverse": "reverse", "prompt-word-problem": "word-problem"}
 
 
 def names() -> list[str]:

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardtune.config.dtypes import DTYPE_NAMES
+from shardtune.plan import grpo
 from shardtune.plan.estimate import CATEGORIES
 from shardtune.plan.hardware import GiB
 from shardtune.plan.result import Plan
@@ -54,6 +55,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                   f"{f' (context parallel: {s.local_seq} tokens per rank)' if s.context_parallel > 1 else ''}")
     if plan.stats.recipe.train.objective == "dpo":
         console.print(dpo_line(plan.stats.recipe))
+    if grpo.is_grpo(plan.stats) and "generate" in e.phases:
+        console.print(grpo.grpo_line(plan.stats, s, e.phases, s.compute.itemsize))
     if s.nf4 and s.lora:
         from shardtune.plan.result import quantized_summary
 

@@ -10,7 +10,8 @@ How, and what it leaves out:
   - The seeded init is skipped (parallelize's `init_into_shards`): it draws every module on the host, minutes at
     70B, and a meta shard holds no values anyway.
   - AdamW's moments are created before the step (as a resume does): the plan's peak is a later step's, with them.
-  - A DPO recipe with an SFT warm-up runs its first DPO step (`first_full_step`), the one the plan predicts.
+  - A DPO recipe with an SFT warm-up runs its first DPO step (`first_full_step`), the one the plan predicts; a GRPO
+    recipe its step 1 (step 0 also samples the held-out "before" eval), generation included.
   - The step runs min(grad_accum, 2) micro-steps: the plan's peak depends on grad_accum only through "earlier
     micro-steps' gradients exist" (> 1), which the second micro-step already has.
   - Offloaded host buffers (`accelerator.host_empty`, `host_resident`) are simulated host tensors (simulated/host.py
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from shardtune import accelerator, memory
 from shardtune.plan import roofline
+from shardtune.plan.grpo import ROLLOUT_PHASES
 from shardtune.plan.hardware import CUDA_CONTEXT, load_profile
 from shardtune.simulated import device as simulated_device
 from shardtune.simulated.host import host_empty as _host_empty
@@ -90,6 +92,10 @@ class Simulation:
     pinned_reserved_peak: int = 0
     alloc_retries: int = 0  # times the caching allocator freed its cached segments to make room (device full)
     ooms: int = 0  # requests that did not fit even then: out of memory on the GPU
+    # GRPO: the peak of the step's rollout (sampling and log-probs, the objective's before_step, before the first
+    # micro-step) beside the plan's phases for it (plan/grpo.py generate, logps); 0 for other objectives
+    rollout_peak: int = 0
+    analytic_rollout: int = 0
     host_syncs: list[str] = field(default_factory=list)  # "kind caller" of each host synchronization of the step
     # Per optimizer step (the recipe's grad_accum): simulated/launches.py's `per_step` figures
     launches: dict[str, Any] = field(default_factory=dict)
@@ -110,6 +116,8 @@ class Simulation:
                 "allocator_reserved_peak_bytes": self.reserved_peak,
                 "pinned_reserved_peak_bytes": self.pinned_reserved_peak, "allocator_alloc_retries": self.alloc_retries,
                 "allocator_ooms": self.ooms, "host_syncs": self.host_syncs,
+                **({"simulated_rollout_peak_bytes": self.rollout_peak, "analytic_rollout_peak_bytes":
+                    self.analytic_rollout} if self.analytic_rollout else {}),
                 "launches": self.launches, "host_cpu_s": round(self.host_cpu_s, 4), "host_cpu_machine": self.machine,
                 "roofline": self.speed.to_json() if self.speed else None}
 
@@ -194,6 +202,7 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
     # The simulated step starts after setup: FSDP2's whole-model load (a setup phase, estimate.fsdp2_load_phase)
     # is not in it, so the step's phases are what it is compared with.
     analytic = max(v for k, v in plan.estimate.phases.items() if k != "load")
+    analytic_rollout = max((v for k, v in plan.estimate.phases.items() if k in ROLLOUT_PHASES), default=0)
     world, nodes, analytic_host = plan.setup.world, plan.setup.nodes, plan.estimate.host_per_rank
     # What the caching allocator can take from the GPU: its memory less what the CUDA context holds.
     limit = None if plan.hardware.is_cpu else plan.capacity - CUDA_CONTEXT
@@ -214,6 +223,7 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
         # (memory.storage_resized / free_storage); FSDP2's through _report_fsdp2_resizes.
         tracker = AllocatorTracker(host=_is_host, recheck_min_bytes=memory.recheck_min_bytes(resizes_reported=True),
                                    device_limit=limit).start()
+        rollout_peak = _peak_after_before_step(run, tracker)
         counter = LaunchCounter(micro)
         try:
             run.model.train()
@@ -238,8 +248,24 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
                       analytic_host=analytic_host,
                       wall_s=time.perf_counter() - t0, micro_steps=micro, allocated_peak=books[0],
                       reserved_peak=books[1], pinned_reserved_peak=books[2], alloc_retries=books[3],
-                      ooms=books[4], host_syncs=syncs, launches=launches, host_cpu_s=host_cpu_s,
+                      ooms=books[4], rollout_peak=rollout_peak[0] if analytic_rollout else 0,
+                      analytic_rollout=analytic_rollout, host_syncs=syncs, launches=launches, host_cpu_s=host_cpu_s,
                       machine=_machine(), speed=roofline.step_time(card, launches, tokens=tokens, link_gbps=link))
+
+
+def _peak_after_before_step(run: Any, tracker: Any) -> list[int]:
+    """[the tracker's peak when the step's before_step first returns]: GRPO's rollout (sampling, log-probs), before
+    the first micro-step. Read through a wrapper on this run's objective."""
+    seen = [0]
+    inner = run.objective.before_step
+
+    def measured(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        seen[0] = seen[0] or tracker.peak_bytes()
+        return out
+
+    run.objective.before_step = measured
+    return seen
 
 
 def _machine() -> str:
@@ -251,6 +277,8 @@ def summary(sim: Simulation) -> str:
     gib = 2 ** 30
     line = (f"simulated step (rank 0 of {sim.world}, {sim.micro_steps} micro-step(s) on the simulated GPU): peak "
             f"{sim.device_peak / gib:.2f} GiB vs plan {sim.analytic / gib:.2f} GiB (ratio {sim.ratio:.3f})")
+    if sim.analytic_rollout:
+        line += f"; rollout (sampling) {sim.rollout_peak / gib:.2f} GiB vs plan {sim.analytic_rollout / gib:.2f} GiB"
     if sim.host_peak or sim.analytic_host:
         line += f"; host {sim.host_peak / gib:.2f} GiB vs plan {sim.analytic_host / gib:.2f} GiB"
     line += f"; CUDA's caching allocator would reserve {sim.reserved_peak / gib:.2f} GiB"

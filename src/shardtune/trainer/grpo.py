@@ -9,7 +9,8 @@ global batch (the same world-size-free order and layout as SFT rows: rank r, mic
      group, so the advantages (trainer/grpo_loss.py, "batch" std included), the token count that dapo divides by
      and every logged figure are the global batch's on every rank;
   3. keeps the sampling policy's log-probs when num_iterations > 1 (the ratio's denominator) and the reference's
-     when grpo.beta > 0 (the base with adapters off, as DPO's reference under LoRA).
+     when grpo.beta > 0 (the base with adapters off, as DPO's reference under LoRA; under full fine-tuning a frozen
+     sharded copy of the starting weights, trainer/reference.py, built at the first step, a resume's included).
 The optimizer steps of that round then run the clipped loss on those completions, one micro-batch of
 b x num_generations rows per micro-step, each divided by the GLOBAL normalisers: 2 ranks train what 1 rank trains
 (bnpo excepted: its token mean is per micro-batch by definition).
@@ -37,6 +38,7 @@ from shardtune.data import GlobalBatches, TokenizedData
 from shardtune.data.prompts import PromptRow, PromptRows
 from shardtune.trainer.grpo_loss import group_advantages, policy_loss, stats_means
 from shardtune.trainer.objective import SftObjective, adapters_disabled
+from shardtune.trainer.reference import FrozenCopy, needs_frozen_copy
 from shardtune.trainer.rewards import load_reward_funcs, score
 from shardtune.trainer.runtime import Runtime, host_max
 from shardtune.trainer.sampling import sample_completions
@@ -97,6 +99,7 @@ class GrpoObjective(SftObjective):
         self.norms: tuple[int, int] = (1, 1)  # (num_sequences, num_items_in_batch) of the step, global
         self.round_metrics: dict[str, float] = {}
         self._batches: PromptBatches | None = None
+        self.reference: FrozenCopy | None = None  # full fine-tuning with beta > 0 (built by before_step)
 
     def batches(self, *, world_size: int) -> PromptBatches:
         t = self.recipe.train
@@ -105,11 +108,18 @@ class GrpoObjective(SftObjective):
                                       world_size=world_size, seed=t.seed)
         return self._batches
 
+    def first_full_step(self) -> int:
+        """`plan --simulate` measures step 1: step 0 also samples the held-out "before" eval (greedy, one completion
+        per prompt: a smaller generation than the step's own, and as many forwards again)."""
+        return 1
+
     # --- generation round ---------------------------------------------------------------------------------------
 
     def before_step(self, model: nn.Module, rt: Runtime, run_dir: Path, step: int, *,
                     global_size: int) -> dict[str, float | torch.Tensor]:
         self.step = step
+        if self.reference is None and needs_frozen_copy(self.recipe):  # collective: every rank is here
+            self.reference = FrozenCopy.build(self.recipe, device=rt.device, world_size=rt.world_size)
         out: dict[str, float | torch.Tensor] = {}
         if step == 0:  # the "before" figure of the held-out line
             out.update({k.replace("eval_", "start_eval_"): v for k, v in self.evaluate(model, rt,
@@ -202,7 +212,9 @@ class GrpoObjective(SftObjective):
         old = ref = None
         if self.cfg.num_iterations > 1:
             old = self._token_logps(model, ids)
-        if self.cfg.beta > 0:
+        if self.cfg.beta > 0 and self.reference is not None:
+            ref = self.reference.logps(self._token_logps, ids)
+        elif self.cfg.beta > 0:
             with adapters_disabled(model):
                 ref = self._token_logps(model, ids)
         return Rollout(ids, mask, advantages, old, ref)
@@ -291,8 +303,11 @@ def _gather_global(local: torch.Tensor, *, world: int, accum: int) -> torch.Tens
     r holds global positions [(a*W + r) * n/accum, +n/accum)."""
     if world == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local, group=accelerator.host_group())
+    group = accelerator.host_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    if len(parts) == 1:  # plan --simulate: rank 0 stands alone for the world (its host group is itself), as its peers
+        parts *= world
     k, n = local.shape
     stacked = torch.stack(parts).view(world, k, accum, n // accum)  # [W, k, A, m]
     return stacked.permute(1, 2, 0, 3).reshape(k, world * n)
