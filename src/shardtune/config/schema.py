@@ -110,9 +110,9 @@ class EngineConfig:
     # 1/N each, and all-gather the keys and values before each attention: activations /N per rank, for the same
     # global batch read by N ranks. Our backend, SFT, models without sliding-window attention.
     context_parallel: bool = False
-    # Regional torch.compile: each decoder block's forward compiled once per run (fullgraph; rows padded to
-    # data.seq_len, data.packing=false; engine/compile.py), the engine's hooks outside it. Off: no GPU run has shown
-    # it faster yet, and it costs the first step the compile time (seconds to minutes). Our backend; dense and LoRA.
+    # Regional torch.compile: each decoder block's forward compiled once per run (fullgraph; rows of data.seq_len,
+    # packed or padded; engine/compile.py), the engine's hooks outside it. Off: no GPU run has shown it faster yet,
+    # and it costs the first step the compile time (seconds to minutes). Our backend; dense, (Q)LoRA, MoE.
     compile: bool = False
 
     def __post_init__(self) -> None:
@@ -391,8 +391,8 @@ class GrpoConfig:
     loss_type: str = "dapo"
     epsilon: float = 0.2  # clip range of the probability ratio below 1 (and above, unless epsilon_high is set)
     epsilon_high: float | None = None  # the clip above 1 (DAPO's clip-higher, e.g. 0.28); null: epsilon
-    # Weight of the k3 KL term to the reference (the base with adapters off: lora.enabled=true). 0: no reference
-    # forward (TRL's default)
+    # Weight of the k3 KL term to the reference (LoRA: the base with adapters off; full fine-tuning: a frozen sharded
+    # copy of the starting weights, params / N more per rank). 0: no reference forward (TRL's default)
     beta: float = 0.0
     # Optimizer steps on each batch of generations (TRL's num_iterations): with more than 1 the sampling policy's
     # log-probs are kept and the ratio is clipped; the next prompts are sampled every num_iterations steps
@@ -522,12 +522,7 @@ class Recipe:
                "model.dtype=fp32 with engine.mixed_precision=bf16 (bf16 compute, fp32 masters), or lora.enabled=true")
         _check(self.lora.quantize_base is None or self.lora.enabled, "lora.quantize_base",
                "quantizes the frozen base under LoRA only: set lora.enabled=true (or lora.quantize_base=null)")
-        if self.engine.compile:  # what a compiled block cannot trace yet (engine/compile.py); experts: moe_checks
-            _check(self.lora.quantize_base is None, "engine.compile",
-                   "QLoRA's NF4 weights do not trace yet (a tensor subclass dynamo refuses): set engine.compile=false")
-            _check(not self.data.packing, "engine.compile",
-                   "packed rows attend per document from host document lengths, one compile per batch's layout: "
-                   "set data.packing=false or engine.compile=false")
+        if self.engine.compile:  # what a compiled block cannot trace yet (engine/compile.py)
             _check(not self.engine.context_parallel, "engine.compile",
                    "context parallelism's collectives inside the attention are not compiled: set engine.compile=false")
             _check(not self.engine.mlp_chunk_tokens, "engine.compile",
@@ -544,9 +539,6 @@ class Recipe:
         _check(grpo == (self.data.format == "prompt"), "train.objective" if grpo else "data.format",
                f"objective {self.train.objective} with data.format={self.data.format}: grpo samples completions of "
                "data.format=prompt rows ({prompt, <reward columns>}); set both or neither")
-        _check(not grpo or self.grpo.beta == 0 or self.lora.enabled, "grpo.beta",
-               f"{self.grpo.beta} needs a reference model: the base with adapters off (lora.enabled=true); full "
-               "fine-tuning has no frozen copy yet: set grpo.beta=0")
         _check(not (grpo and self.train.demo_eval), "train.demo_eval",
                "decodes instruction rows; with train.objective=grpo set it to false (GRPO reports the held-out "
                "reward: eval_reward)")
