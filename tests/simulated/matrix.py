@@ -177,6 +177,7 @@ def step_save_resume(row: Row, out: Path) -> None:
     assert record["step"] == 1, record
     if row["objective"] == "grpo":  # each prompt's 2 completions drawn, 2 tokens each (the simulated reads never stop)
         assert record["completions/mean_length"] == 2 and "reward" in record, record
+        assert ("kl" in record) == (row["tuning"] != "full"), record  # the adapters-off reference's term, under LoRA
     assert row["backend"] == "torch" or row["world"] == 1 or record["comm_bytes"] > 0, record  # FSDP2 counts none
     books = tracker.device  # blocks are rounded up and carved from segments; the step ends with a device sync
     assert books.peak_reserved >= books.peak_allocated >= tracker.peak_bytes() > 0, vars(books)
