@@ -121,3 +121,16 @@ def test_fit_ranks_by_the_slower_of_host_and_gpu(sims: list[dict]) -> None:
     assert t["step_s"] == max(t["gpu_s"], t["host_s"]) == t["host_s"]  # a tiny model: host-bound
     tokens = plans[0].setup.micro_batch * plans[0].setup.seq_len * plans[0].setup.world
     assert t["tokens_per_s"] == pytest.approx(tokens / t["host_s"])
+
+
+def test_1b_lora_step_stays_under_9500_launches() -> None:
+    """Issue 58's bound: the 1.24B Llama LoRA at 4 x 2,048 tokens (the H200 run's shape) issues at most 9,500
+    kernels per optimizer step (10,983 before a block's adapters were cast in one kernel and their gradients summed
+    a block at a time, model/lora_grads.py: 9,367 since). Its 16 layers' adapters: one multi-tensor cast each per
+    step, no per-adapter cast of a gradient and no per-adapter accumulation."""
+    from shardtune.model.attention import _cu_seqlens
+
+    _cu_seqlens.cache_clear()
+    sim = simulate("llama-3.1-8b-lora-1x24gb", [f"model.config={REPO / 'configs/models/llama-3.2-1b.json'}",
+                                                 "data.seq_len=2048", "train.grad_accum=4"]).to_json()
+    assert sim["launches"]["total"] <= 9_500, sim["launches"]

@@ -9,10 +9,11 @@ the input per adapted module (q, k and v each keep their own). `LoraLinearFuncti
   backward  gu = g B;  grad_x = g W + scaling · gu A;  grad_B = scaling · g^T u;  grad_A = scaling · gu^T x_a
 
 with A and B cast to the input's dtype (the compute dtype: the frozen base's, bf16 in a bf16 run; no cast in fp32)
-once per optimizer step (`compute_adapters`): 3 kernels forward (two matmuls, one addmm), 7 backward (four
-matmuls, the two adapter gradients' casts back to fp32 by autograd). Each scaling rides in an addmm's alpha, never a kernel of its own. It
-saves the input as given (shared by every module reading it), u (b·s x r) and the r-wide casts; no gradient for
-the frozen weight. In fp32 the arithmetic is peft's (the same products; sums in another order: equal to fp32
+once per optimizer step for a whole decoder layer in one multi-tensor kernel (`compute_adapters`): 3 kernels
+forward (two matmuls, one addmm), 7 backward (four matmuls, the two adapter gradients' casts back to fp32 by
+autograd), 5 where the layer's block sums its adapters' gradients (model/lora_grads.py: one kernel a block instead
+of the casts and autograd's accumulation). Each scaling rides in an addmm's alpha, never a kernel of its own. It
+saves the input as given (shared by every module reading it) and u (b·s x r); no gradient for the frozen weight. In fp32 the arithmetic is peft's (the same products; sums in another order: equal to fp32
 rounding). In bf16 the adapter runs in bf16 like FSDP2's (which casts the adapters with every parameter), where
 peft runs it in fp32.
 
@@ -31,6 +32,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from shardtune.model.lora_grads import GradSlot, make_blocks, slot_for
+
 ADAPTER = "default"
 
 
@@ -38,9 +41,11 @@ class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
                 b: torch.Tensor, scaling: float, x_adapter: torch.Tensor | None, ac: torch.Tensor,
-                bc: torch.Tensor) -> torch.Tensor:
+                bc: torch.Tensor, grad_slot: GradSlot | None = None) -> torch.Tensor:
         """`a` (r, in), `b` (out, r): the adapters (for their gradients); `ac`, `bc`: them in x's dtype (the same
-        tensors when they are in it already; else copies that `compute_adapters` keeps for the whole step)."""
+        tensors when they are in it already; else copies that `compute_adapters` keeps for the whole step);
+        `grad_slot`: where backward writes A's and B's gradients instead of handing them to autograd
+        (model/lora_grads.py)."""
         in_f, out_f = weight.shape[1], weight.shape[0]
         x2 = x.reshape(-1, in_f)
         xa2 = x2 if x_adapter is None else x_adapter.reshape(-1, in_f)
@@ -56,13 +61,18 @@ class LoraLinearFunction(torch.autograd.Function):
         y.addmm_(u, bc.t(), alpha=scaling)
         need_x, need_w, _, need_a, need_b, _, need_xa = ctx.needs_input_grad[:7]
         ctx.save_for_backward(weight if need_x else None, x2 if need_w else None,
-                              xa2 if need_a else None, u if need_b else None, ac, bc)
-        ctx.scaling, ctx.x_shape, ctx.has_x_adapter = scaling, x.shape, x_adapter is not None
+                              xa2 if need_a else None, u if need_b else None)
+        # Not saved tensors: each of those costs a pack and an unpack hook under activation checkpointing (host time
+        # per Linear per micro-batch), and these need no recompute: the step's copies (compute_adapters), held for
+        # the step anyway, or the parameters themselves, which nothing writes between a forward and its backward.
+        ctx.ac, ctx.bc = ac, bc
+        ctx.scaling, ctx.x_shape, ctx.has_x_adapter, ctx.grad_slot = scaling, x.shape, x_adapter is not None, grad_slot
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        weight, x2, xa2, u, ac, bc = ctx.saved_tensors
+        weight, x2, xa2, u = ctx.saved_tensors
+        ac, bc = ctx.ac, ctx.bc
         need_x, need_w, need_bias, need_a, need_b, _, need_xa = ctx.needs_input_grad[:7]
         s = ctx.scaling
         g = grad_out.reshape(-1, grad_out.shape[-1])
@@ -75,6 +85,13 @@ class LoraLinearFunction(torch.autograd.Function):
             grad_x = grad_x.view(ctx.x_shape)
         if need_xa:
             grad_xa = torch.addmm(_no_input(gu), gu, ac, beta=0, alpha=s).view(ctx.x_shape)
+        slot = ctx.grad_slot
+        if slot is not None:  # into the block's staging buffer, summed into .grad there; autograd gets none
+            out_a, out_b = slot.outputs(g.dtype, g.device)
+            torch.addmm(_no_input(g), g.t(), u, beta=0, alpha=s, out=out_b)
+            torch.addmm(_no_input(gu), gu.t(), xa2, beta=0, alpha=s, out=out_a)
+            slot.done()
+            need_a = need_b = False
         if need_b:  # beta=0: the input is ignored (not read), so the product is scaled in the GEMM, no extra kernel
             grad_b = torch.addmm(_no_input(g), g.t(), u, beta=0, alpha=s)
         if need_a:
@@ -83,36 +100,61 @@ class LoraLinearFunction(torch.autograd.Function):
             grad_w = g.t() @ x2
         if need_bias:
             grad_bias = g.sum(0)
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, grad_xa, None, None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, grad_xa, None, None, None
+
+
+_NO_INPUT: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _no_input(like: torch.Tensor) -> torch.Tensor:
-    """addmm's input when beta=0: a 0-d tensor that broadcasts to any output (an allocation, no kernel)."""
-    return like.new_empty(())
+    """addmm's input when beta=0: a 0-d tensor that broadcasts to any output (never read, so one per dtype and
+    device serves every call: no allocation per GEMM either)."""
+    key = (like.dtype, like.device)
+    t = _NO_INPUT.get(key)
+    if t is None:
+        t = _NO_INPUT[key] = like.new_empty(())
+    return t
 
 
+# The checks below run per adapted Linear per forward: host time a host-bound step scales with. They read the
+# modules' dicts directly (nn.Module.__getattr__ and peft's properties cost several times more).
 def covers(layer: nn.Module) -> bool:
     """Whether `layer` (a peft lora.Linear) computes through LoraLinearFunction: one vanilla adapter without bias,
     over a plain nn.Linear weight (not transposed, not a tensor subclass)."""
-    if list(layer.lora_A) != [ADAPTER] or layer.lora_variant or getattr(layer, "fan_in_fan_out", False):
+    mods = layer._modules
+    la = mods["lora_A"]._modules
+    if len(la) != 1 or ADAPTER not in la or layer.lora_variant or getattr(layer, "fan_in_fan_out", False):
         return False
-    if layer.lora_A[ADAPTER].bias is not None or layer.lora_B[ADAPTER].bias is not None:
+    if la[ADAPTER]._parameters.get("bias") is not None or \
+            mods["lora_B"]._modules[ADAPTER]._parameters.get("bias") is not None:
         return False
-    drop = layer.lora_dropout[ADAPTER]
-    return isinstance(layer.get_base_layer(), nn.Linear) and isinstance(drop, (nn.Identity, nn.Dropout))
+    return isinstance(mods["base_layer"], nn.Linear) and \
+        isinstance(mods["lora_dropout"]._modules[ADAPTER], (nn.Identity, nn.Dropout))
+
+
+def _runs_fused(layer: nn.Module) -> bool:
+    """Whether `layer`'s forward (bar extra arguments) computes through LoraLinearFunction now. False while its base
+    weight is not there (an engine unit not gathered)."""
+    # peft's disable_adapters, merged and active_adapters properties, read from the attributes behind them
+    return (not layer._disable_adapters and not layer.merged_adapters and layer._active_adapter in (ADAPTER, [ADAPTER])
+            and type(getattr(layer._modules["base_layer"], "weight", None)) in (torch.Tensor, nn.Parameter)
+            and covers(layer))
+
+
+def _adapters(layer: nn.Module) -> tuple[nn.Parameter, nn.Parameter]:
+    mods = layer._modules
+    return mods["lora_A"]._modules[ADAPTER].weight, mods["lora_B"]._modules[ADAPTER].weight
 
 
 def _forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    base = self.base_layer
-    weight = base.weight
-    if (args or kwargs or self.disable_adapters or self.merged or list(self.active_adapters) != [ADAPTER]
-            or type(weight) not in (torch.Tensor, nn.Parameter) or not covers(self)):
+    if args or kwargs or not _runs_fused(self):
         return _peft_forward(self)(x, *args, **kwargs)
-    drop = self.lora_dropout[ADAPTER]
+    base = self._modules["base_layer"]
+    drop = self._modules["lora_dropout"]._modules[ADAPTER]
     x_adapter = drop(x) if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0 else None
-    a, b = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
-    return LoraLinearFunction.apply(x, weight, base.bias, a, b, float(self.scaling[ADAPTER]), x_adapter,
-                                    *compute_adapters(self, a, b, x.dtype))
+    a, b = _adapters(self)
+    return LoraLinearFunction.apply(x, base.weight, base.bias, a, b, float(self.scaling[ADAPTER]), x_adapter,
+                                    *compute_adapters(self, a, b, x.dtype), slot_for(self, a, b, x))
 
 
 def compute_adapters(layer: nn.Module, a: torch.Tensor, b: torch.Tensor,
@@ -126,12 +168,43 @@ def compute_adapters(layer: nn.Module, a: torch.Tensor, b: torch.Tensor,
     r·(in + out) elements in the compute dtype."""
     if a.dtype == dtype and b.dtype == dtype:
         return a, b
-    key = (a.untyped_storage(), a._version, b.untyped_storage(), b._version, dtype, _optimizer_steps[0])
-    held = layer.__dict__.get("_compute_adapters")
+    key = _key(a, b, dtype)
+    held = layer.__dict__.get(_HELD)
     if held is None or not _same(held[0], key):
-        with torch.no_grad():
-            held = layer.__dict__["_compute_adapters"] = (key, a.detach().to(dtype), b.detach().to(dtype))
+        _cast_stale(layer.__dict__.get(_BLOCK_LAYERS, [layer]), dtype)
+        held = layer.__dict__[_HELD]
     return held[1], held[2]
+
+
+def _key(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[Any, ...]:
+    return (a.untyped_storage(), a._version, b.untyped_storage(), b._version, dtype, _optimizer_steps[0])
+
+
+def _cast_stale(layers: list[nn.Module], dtype: torch.dtype) -> None:
+    """New compute-dtype copies for every layer of the block (`_BLOCK_LAYERS`) whose copies are stale (after an
+    optimizer step: all of them), in one multi-tensor copy (`_foreach_copy_` converts fp32 -> bf16 in its one fused
+    launch on CUDA), not two kernels per layer. Only layers that compute through the Function now (a quantized base
+    takes another path and needs no copies; the engine's units bind a base weight only while gathered: a block's
+    layers are, together) and the stale copies are dropped first: old and new are never both held."""
+    dst, src = [], []
+    for layer in layers:
+        if not _runs_fused(layer):
+            continue
+        a, b = _adapters(layer)
+        if a.dtype == dtype and b.dtype == dtype:
+            continue
+        key = _key(a, b, dtype)
+        held = layer.__dict__.pop(_HELD, None)
+        if held is not None and _same(held[0], key):
+            layer.__dict__[_HELD] = held
+            continue
+        ac, bc = torch.empty_like(a, dtype=dtype), torch.empty_like(b, dtype=dtype)
+        layer.__dict__[_HELD] = (key, ac, bc)
+        dst += [ac, bc]
+        src += [a.detach(), b.detach()]
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
 
 
 def _same(held: tuple[Any, ...], key: tuple[Any, ...]) -> bool:
@@ -139,6 +212,8 @@ def _same(held: tuple[Any, ...], key: tuple[Any, ...]) -> bool:
             and held[3] == key[3] and held[4] == key[4] and held[5] == key[5])
 
 
+_HELD = "_compute_adapters"  # a layer's (key, A, B in the compute dtype), in its __dict__
+_BLOCK_LAYERS = "_fused_lora_block"  # the fused layers of the layer's block (one list object), in its __dict__
 _optimizer_steps = [0]  # optimizer steps taken in this process, by any optimizer (compute_adapters' key)
 
 
@@ -165,9 +240,14 @@ def use_fused_lora(model: nn.Module) -> list[nn.Module]:
     from peft.tuners.lora import Linear
 
     cls = fused_class()
-    changed = []
-    for m in model.modules():
-        if type(m) is Linear:
-            m.__class__ = cls
-            changed.append(m)
-    return changed
+    changed = [(n, m) for n, m in model.named_modules() if type(m) is Linear]
+    blocks: dict[str, list[nn.Module]] = {}
+    for name, m in changed:
+        m.__class__ = cls
+        # compute_adapters casts a block's at once: the layers under one entry of a ModuleList (a decoder layer)
+        parts = name.split(".")
+        index = max((i for i, part in enumerate(parts) if part.isdigit()), default=len(parts) - 1)
+        m.__dict__[_BLOCK_LAYERS] = blocks.setdefault(".".join(parts[:index + 1]), [])
+        m.__dict__[_BLOCK_LAYERS].append(m)
+    make_blocks(changed, _adapters)
+    return [m for _, m in changed]
