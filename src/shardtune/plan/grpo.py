@@ -139,7 +139,8 @@ def grpo_phases(stats: ModelStats, s: Setup, ts: Setup, step: StepFacts, states:
     if g.num_iterations > 1 or g.beta > 0:
         out["logps"] = logps_phase(stats, ts, step, states, rollouts)
     out["generate"] = generation_phase(stats, s, step, states, rollouts)
-    reference = frozen_copy_bytes(stats, ts, step)
+    # offloaded (engine.cpu_offload), the copy's shards live on the host (estimate's host_per_rank counts them)
+    reference = frozen_copy_bytes(stats, ts, step) if not ts.offload or ts.device_is_cpu else 0
     for k in out:
         out[k]["params"] = out[k].get("params", 0) + reference
     return out

@@ -10,7 +10,7 @@ global batch (the same world-size-free order and layout as SFT rows: rank r, mic
      and every logged figure are the global batch's on every rank;
   3. keeps the sampling policy's log-probs when num_iterations > 1 (the ratio's denominator) and the reference's
      when grpo.beta > 0 (the base with adapters off, as DPO's reference under LoRA; under full fine-tuning a frozen
-     sharded copy of the starting weights, trainer/reference.py, built at the first step, a resume's included).
+     sharded copy of the starting weights, trainer/reference.py, built with the objective, a resume's included).
 The optimizer steps of that round then run the clipped loss on those completions, one micro-batch of
 b x num_generations rows per micro-step, each divided by the GLOBAL normalisers: 2 ranks train what 1 rank trains
 (bnpo excepted: its token mean is per micro-batch by definition).
@@ -84,7 +84,7 @@ class GrpoObjective(SftObjective):
     norm_key = "prompts"
     batch_class = PromptBatches
 
-    def __init__(self, recipe: Recipe, data: TokenizedData) -> None:
+    def __init__(self, recipe: Recipe, data: TokenizedData, rt: Runtime) -> None:
         super().__init__(recipe, data)
         from shardtune.model.build import build_tokenizer
 
@@ -99,7 +99,9 @@ class GrpoObjective(SftObjective):
         self.norms: tuple[int, int] = (1, 1)  # (num_sequences, num_items_in_batch) of the step, global
         self.round_metrics: dict[str, float] = {}
         self._batches: PromptBatches | None = None
-        self.reference: FrozenCopy | None = None  # full fine-tuning with beta > 0 (built by before_step)
+        # full fine-tuning with beta > 0: built here (collective), in the run's setup, not in a step
+        self.reference = (FrozenCopy.build(recipe, device=rt.device, world_size=rt.world_size)
+                          if needs_frozen_copy(recipe) else None)
 
     def batches(self, *, world_size: int) -> PromptBatches:
         t = self.recipe.train
@@ -118,8 +120,6 @@ class GrpoObjective(SftObjective):
     def before_step(self, model: nn.Module, rt: Runtime, run_dir: Path, step: int, *,
                     global_size: int) -> dict[str, float | torch.Tensor]:
         self.step = step
-        if self.reference is None and needs_frozen_copy(self.recipe):  # collective: every rank is here
-            self.reference = FrozenCopy.build(self.recipe, device=rt.device, world_size=rt.world_size)
         out: dict[str, float | torch.Tensor] = {}
         if step == 0:  # the "before" figure of the held-out line
             out.update({k.replace("eval_", "start_eval_"): v for k, v in self.evaluate(model, rt,

@@ -138,7 +138,7 @@ def setup(recipe: Recipe, *, simulated: bool = False) -> Run:
     shapes = param_shapes(model)
     sharded = parallelize(model, recipe, device=rt.device, world_size=rt.world_size)
     optimizer = build_optimizer(sharded, cfg)
-    objective = build_objective(recipe, data)
+    objective = build_objective(recipe, data, rt)
     batches = objective.batches(world_size=context_parallel.data_rank(rt.rank, rt.world_size)[1])
     max_steps = steps_for(cfg, num_rows=len(batches.rows), global_size=batches.global_size, announce=rt.is_main)
     scheduler = build_scheduler(cfg.schedule, optimizer, warmup_steps=cfg.warmup_steps, total_steps=max_steps)
@@ -279,13 +279,13 @@ def resume(run: Run) -> int:
     return step
 
 
-def build_objective(recipe: Recipe, data: TokenizedData) -> SftObjective:
+def build_objective(recipe: Recipe, data: TokenizedData, rt: Runtime) -> SftObjective:
     """The step's loss, batches and eval for train.objective (here, not in objective.py: grpo.py builds on that
     module's SftObjective, so choosing among them from there would make an import circle)."""
     if recipe.train.objective == "grpo":
         from shardtune.trainer.grpo import GrpoObjective  # its sampler and reward loaders only when asked for
 
-        return GrpoObjective(recipe, data)
+        return GrpoObjective(recipe, data, rt)
     return DpoObjective(recipe, data) if recipe.train.objective == "dpo" else SftObjective(recipe, data)
 
 
