@@ -161,7 +161,8 @@ def test_under_3_percent_of_headroom_launches_with_the_knob_to_turn(monkeypatch,
     by 0.07 % of usable memory, so the pre-flight launches and names the knob that gives it 3 % (plan/headroom.py);
     the recipe as shipped now keeps 3 % and gets no advice."""
     monkeypatch.setattr(preflight, "detect_gpu", lambda: ("NVIDIA GeForce RTX 4090", 24 * 2**30))
-    old = ["launch.device=cuda", "data.seq_len=896", "engine.mlp_chunk_tokens=0", "train.loss_chunk_tokens=1024"]
+    old = ["launch.device=cuda", "data.seq_len=896", "engine.mlp_chunk_tokens=0", "train.loss_chunk_tokens=1024",
+           "engine.offload_activations=false", "engine.nf4_tile_mb=8"]
     for overrides, advised in ((old, True), (["launch.device=cuda"], False)):
         cfg = load_recipe_config("llama-3.1-70b-qlora-2x24gb", overrides)
         _, code = preflight.preflight(cfg, to_recipe(cfg), 2, refuse=True, fit=False)

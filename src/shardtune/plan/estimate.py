@@ -43,6 +43,7 @@ from shardtune.engine.api import splits_vocab
 from shardtune.engine.layout import UnitLayout
 from shardtune.model.attention import WINDOW_BLOCK, varlen_applies
 from shardtune.model.rotary import fused_in
+from shardtune.plan import grpo
 from shardtune.plan.moe import unpermute_bytes
 from shardtune.plan.offload_host import table_grad_host_bytes
 from shardtune.plan.stats import DTYPES, ModelStats
@@ -327,16 +328,17 @@ def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int,
                    mlp_tokens: int) -> tuple[int, int]:
     """engine/nf4_linear.py: (the reused tile buffer, alive from the first matmul on; the transient of one tiled
     matmul). The buffer holds the largest tile of any weight (compute dtype); the transient is the tile's int32 code
-    index (2 B/weight of the tile) and the weight's block scalers (c/64 B/weight, computed once per matmul); for a
-    weight of several tiles the backward's column slab (the same index, one slab's product, tokens x cols x c, cols
+    index (one per two code bytes: 1 B/weight of the tile, in pieces of at most lookup_words' for a large tile)
+    and the weight's block scalers (c/64 B/weight, computed once per matmul); for a weight of several tiles the backward's column slab (the same index, one slab's product, tokens x cols x c, cols
     capped so that it fits the tile too; an MLP weight sees `mlp_tokens`, one chunk of model/tiled_mlp.py) or,
     when rows split blocks, the fp32 input-gradient accumulator (tokens x in x 4) with one row tile's product
     (tokens x in x c)."""
-    from shardtune.engine.nf4_linear import cols_per_tile, rows_per_tile
+    from shardtune.engine.nf4_linear import cols_per_tile, lookup_words, rows_per_tile
     from shardtune.model.tiled_mlp import MLP_CHILD
     from shardtune.plan.moe import nf4_experts_bytes
 
     buf, transient = 0, 0
+    piece = 4 * lookup_words(tile)  # bytes of one lookup's int32 index
     for u in units:
         for name, shape in u.quantized_weights:
             if len(shape) == 3:  # fused experts (plan/moe.py)
@@ -350,11 +352,20 @@ def nf4_tile_bytes(units: list[UnitLayout], c: int, tile: int, tokens: int,
             buf = max(buf, rows * in_f * c, out_f * cols * c)
             scalers = out_f * in_f // 64 * c
             if cols:
-                bwd = out_f * cols * 2 + n * cols * c
+                bwd = min(out_f * cols, piece) + n * cols * c
             else:
-                bwd = rows * in_f * 2 + (n * in_f * (4 + c) if rows < out_f else 0)
-            transient = max(transient, scalers + max(rows * in_f * 2, bwd))
+                bwd = min(rows * in_f, piece) + (n * in_f * (4 + c) if rows < out_f else 0)
+            transient = max(transient, scalers + max(min(rows * in_f, piece), bwd))
     return buf, transient
+
+
+def nf4_saved_scalers(blocks: list[UnitLayout], c: int, s: Setup) -> int:
+    """engine/nf4_linear.py: each tiled NF4 matmul saves its weight's block scalers (c/64 B/weight) for its
+    backward: a recomputed (or not checkpointed) unit keeps those of all its 2-D NF4 weights; the largest unit's."""
+    if not (s.nf4 and s.lora and s.nf4_tile_bytes):
+        return 0
+    return max((sum(math.prod(shape) for _, shape in u.quantized_weights if len(shape) == 2) // 64 * c
+                for u in blocks), default=0)
 
 
 def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int = 0) -> tuple[int, int]:
@@ -577,7 +588,7 @@ class Activations:
 
 def saved_activations(stats: ModelStats, s: Setup, step: StepFacts) -> Activations:
     d, bsh, ck = stats.dims, step.bsh, s.checkpointing
-    per_layer = activation_bytes_per_layer(stats, s)
+    per_layer = activation_bytes_per_layer(stats, s) + nf4_saved_scalers(step.blocks, step.c, s)
     every = 0 if ck is False else (1 if ck is True else int(ck))
     # Checkpointed: units 0, k, 2k, ... (engine/checkpointing.py)
     ckpt = [bool(every) and i % every == 0 for i in range(len(step.blocks))]
@@ -802,6 +813,8 @@ def fsdp2_load_phase(s: Setup, step: StepFacts, states: ModelStates) -> dict[str
 def estimate(stats: ModelStats, s: Setup) -> Estimate:
     """The step's phases (the module docstring), from what they share: the units and sizes, the model states, the
     saved activations and the gathered buffers. The peak is the largest phase."""
+    sampled = grpo.is_grpo(stats)
+    recipe_s, s = s, grpo.training_setup(stats, s) if sampled else s  # GRPO trains on prompt + completion rows
     step = step_facts(stats, s)
     states = model_states(stats, s, step)
     acts = saved_activations(stats, s, step)
@@ -814,11 +827,15 @@ def estimate(stats: ModelStats, s: Setup) -> Estimate:
         phases["unit-gather"] = fsdp2_offload_gather_phase(s, step, states, acts, held)
     if s.backend == "torch" and s.nf4:
         phases["load"] = fsdp2_load_phase(s, step, states)
+    if sampled:  # plan/grpo.py: the rollouts beside every phase, the log-probs' forward, generation
+        phases = grpo.grpo_phases(stats, recipe_s, s, step, states, phases)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak = max(totals, key=totals.__getitem__)  # the first phase on a tie
     per_rank = {f"{k}_bytes": phases[peak].get(k, 0) for k in CATEGORIES}
     per_rank["total_bytes"] = totals[peak]
     host_per_rank = states.host_per_rank + acts.host
+    if sampled and s.offload:  # GRPO's frozen reference copy (full fine-tuning, beta > 0): offloaded like the policy
+        host_per_rank += grpo.frozen_copy_bytes(stats, s, step)
     return Estimate(per_rank=per_rank, peak_phase=peak, phases=totals, breakdown=phases,
                     host_bytes=host_per_rank * max(1, s.world // s.nodes), host_per_rank=host_per_rank,
                     units=step.units, trainable_params=states.lora_params if s.lora else stats.num_params,
