@@ -145,7 +145,8 @@ EXTRA: list[Row] = [
 @functools.cache
 def covering_array() -> tuple[list[Row], list[tuple[Row, str]]]:
     # A row at world W starts W ranks: of equally covering rows the array keeps the one with fewer (32 candidates a
-    # row: 19 rows starting 64 ranks, against 19 starting 73 with 8 and no cost, and 18 pairs left to refusal, not 33)
+    # row, grpo included: 19 rows starting 73 ranks, against 20 starting 74 without the cost; 45 pairs left to
+    # refusal, most of them offloaded activations probed without checkpointing)
     rows, refused = all_pairs(FACTORS, refusal, tries=32, cost=lambda name, value: value if name == "world" else 0)
     extra = [{n: r[n] for n in FACTORS} for r in EXTRA if {n: r[n] for n in FACTORS} not in rows]
     return rows + extra, refused
