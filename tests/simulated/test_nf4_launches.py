@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from shardtune.engine.nf4_layout import Nf4Layout
 from shardtune.engine.nf4_linear import cols_per_tile, tile_rows, tiled_view
 from shardtune.plan.planner import make_plan
+from shardtune.plan.roofline import estimated_launches
 from shardtune.simulated.launches import LaunchCounter
 from tests.simulated.shallow import shallow_config
 
@@ -79,3 +80,7 @@ def test_70b_qlora_at_896_under_60000_launches(tmp_path) -> None:
         counts.append(sim["launches"]["total"])
     total = counts[0] + 79 * (counts[1] - counts[0])
     assert total <= 60_000, (total, counts)
+    # plan's analytic estimate (plan/roofline.py, its lookup pieces included) within 10 %, as test_launch_estimate.py
+    # holds it on 2 layers (here the layers dominate: 2 layers would weigh the loss's fixed chunks)
+    estimate = estimated_launches(make_plan(RECIPE_70B, AT_896))
+    assert abs(estimate / total - 1) <= 0.10, (estimate, total)

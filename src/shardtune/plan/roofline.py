@@ -117,8 +117,12 @@ ADAPTER_LAUNCHES = (13 / 7, -6 / 7, 49 / 7)  # per adapted Linear (its recompute
 BLOCK_SUMMED_LAUNCHES = (0, 0, -12 / 7)
 # per adapted Linear on > 1 rank: its gradients into the replicated bucket (tiny-lora-cpu's 2-rank layer against 1B's)
 ADAPTER_REPLICA_LAUNCHES = (0, 0, 2)
-NF4_WEIGHT_LAUNCHES = (32 / 7, 38 / 7, 77 / 7)  # per NF4 weight of a layer (its first tile, its block scalers)
+# per NF4 weight of a layer (its first tile, its block scalers; the backward reads the ones forward saved: 2 less)
+NF4_WEIGHT_LAUNCHES = (32 / 7, 38 / 7, 63 / 7)
 TILE_LAUNCHES = (436 / 109, 0, 920 / 109)  # per further NF4 tile (row tiles forward, column slabs backward)
+# per further table lookup of a tile (engine/nf4_linear.py lookup_words: a large tile's index in pieces): its index
+# cast and lookup, in forward, recompute and backward (tests/simulated/test_nf4_launches.py: 2 kernels a piece)
+LOOKUP_PIECE_LAUNCHES = (2, 2, 2)
 MLP_CHUNK_LAUNCHES = (102, -15, 283)  # per further chunk of engine.mlp_chunk_tokens, per layer
 # per further NF4 tile of a chunked MLP, on top of TILE_LAUNCHES: its backward re-runs the chunk (nf4_tile_mb=1 and
 # mlp_chunk_tokens=1024: 202 further tiles a layer, 186 of them the MLP's)
@@ -146,25 +150,32 @@ def estimated_launches(plan: Any) -> int:
     s, layers = plan.setup, plan.stats.dims.num_layers
     adapted = len(linear_targets(plan.stats)) if s.lora else 0
     chunks = math.ceil(s.micro_batch * s.local_seq / s.mlp_chunk) if s.mlp_chunk else 1
-    weights = extra_tiles = chunked_tiles = 0
+    weights = extra_tiles = chunked_tiles = extra_pieces = 0
     if s.nf4:
+        from shardtune.engine.nf4_linear import lookup_words
+
         per_tile = s.nf4_tile_bytes or 1 << 62  # torchao: the whole weight at once
         # engine.mlp_chunk_tokens (model/tiled_mlp.py): each chunk of tokens runs the MLP's weights, tiles and all
         for u in plan.estimate.units:
             for name, shape in u.quantized_weights:
                 weights += 1
                 tiles = math.ceil(math.prod(shape) * s.compute.itemsize / per_tile)
-                extra_tiles += (tiles - 1) * (chunks if ".mlp." in name else 1)
+                runs = chunks if ".mlp." in name else 1
+                extra_tiles += (tiles - 1) * runs
+                if s.nf4_tile_bytes and len(shape) == 2:  # one lookup per 4 weights, lookup_words a piece
+                    tile_words = min(math.prod(shape), per_tile // s.compute.itemsize) // 4
+                    extra_pieces += tiles * (math.ceil(tile_words / lookup_words(per_tile)) - 1) * runs
                 chunked_tiles += (tiles - 1) * chunks if ".mlp." in name and chunks > 1 else 0
-        weights, extra_tiles, chunked_tiles = (n / max(1, layers) for n in (weights, extra_tiles, chunked_tiles))
+        weights, extra_tiles, chunked_tiles, extra_pieces = (n / max(1, layers) for n in
+                                                             (weights, extra_tiles, chunked_tiles, extra_pieces))
     recompute = 0.0 if s.checkpointing is False else 1.0 / (1 if s.checkpointing is True else int(s.checkpointing))
     replicas = adapted if s.world > 1 else 0
     block_summed = adapted if s.world == 1 and not s.nf4 and s.backend != "torch" else 0
-    counts = (1.0, adapted, replicas, block_summed, weights, extra_tiles, chunks - 1, chunked_tiles,
+    counts = (1.0, adapted, replicas, block_summed, weights, extra_tiles, extra_pieces, chunks - 1, chunked_tiles,
               float(bool(plan.stats.dims.moe)))
     per_phase = zip(LAYER_LAUNCHES, ADAPTER_LAUNCHES, ADAPTER_REPLICA_LAUNCHES, BLOCK_SUMMED_LAUNCHES,
-                    NF4_WEIGHT_LAUNCHES, TILE_LAUNCHES, MLP_CHUNK_LAUNCHES, CHUNKED_TILE_LAUNCHES, MOE_LAYER_LAUNCHES,
-                    strict=True)
+                    NF4_WEIGHT_LAUNCHES, TILE_LAUNCHES, LOOKUP_PIECE_LAUNCHES, MLP_CHUNK_LAUNCHES,
+                    CHUNKED_TILE_LAUNCHES, MOE_LAYER_LAUNCHES, strict=True)
     layer = sum(p * sum(n * c for n, c in zip(counts, costs, strict=True))
                 for p, costs in zip((1.0, recompute, 1.0), per_phase, strict=True))
     if s.backend == "torch":
