@@ -23,6 +23,7 @@ one Linear's at a time plus its fp32 cast; the fp32 gradients are the same bytes
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,11 +36,14 @@ class GradBlock:
     """The adapters of the adapted Linears under one parent module, in order: [A0, B0, A1, B1, ...]."""
 
     def __init__(self, adapters: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
-        self.params = [p for pair in adapters for p in pair]
+        self.shapes = [tuple(p.shape) for pair in adapters for p in pair]
+        # Bound by each forward that opts in (`bind`), not kept from injection: a sharding wrapper (FSDP2) replaces
+        # the parameters, and holding the originals would keep them alive for the run
+        self.params: list[nn.Parameter | None] = [None] * len(self.shapes)
         self.offsets, n = [], 0
-        for p in self.params:  # each at a multiple of _ALIGN elements: the GEMMs write into aligned outputs
+        for shape in self.shapes:  # each at a multiple of _ALIGN elements: the GEMMs write into aligned outputs
             self.offsets.append(n)
-            n += -(-p.numel() // _ALIGN) * _ALIGN
+            n += -(-math.prod(shape) // _ALIGN) * _ALIGN
         self.numel = n
         self.active = False  # take_adapter_gradients
         self.staging: torch.Tensor | None = None  # 1D, compute dtype, numel: this backward's gradients, not moved yet
@@ -51,7 +55,7 @@ class GradBlock:
         move may have replaced those it had at injection); False if their sizes changed (autograd sums them)."""
         k = 2 * i
         if self.params[k] is not a or self.params[k + 1] is not b:
-            if (a.shape, b.shape) != (self.params[k].shape, self.params[k + 1].shape):
+            if (tuple(a.shape), tuple(b.shape)) != (self.shapes[k], self.shapes[k + 1]):
                 return False
             self.params[k], self.params[k + 1] = a, b
         return True
@@ -77,8 +81,8 @@ class GradBlock:
             self.flush()
 
     def _view(self, k: int) -> torch.Tensor:
-        p, a = self.params[k], self.offsets[k]
-        return self.staging[a:a + p.numel()].view(p.shape)
+        shape, a = self.shapes[k], self.offsets[k]
+        return self.staging[a:a + math.prod(shape)].view(shape)
 
     def flush(self) -> None:
         """Move the staging buffer's gradients into `.grad` (one kernel when every Linear wrote and `.grad` is this

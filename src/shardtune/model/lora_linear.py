@@ -13,7 +13,8 @@ once per optimizer step for a whole decoder layer in one multi-tensor kernel (`c
 forward (two matmuls, one addmm), 7 backward (four matmuls, the two adapter gradients' casts back to fp32 by
 autograd), 5 where the layer's block sums its adapters' gradients (model/lora_grads.py: one kernel a block instead
 of the casts and autograd's accumulation). Each scaling rides in an addmm's alpha, never a kernel of its own. It
-saves the input as given (shared by every module reading it) and u (b·s x r); no gradient for the frozen weight. In fp32 the arithmetic is peft's (the same products; sums in another order: equal to fp32
+saves the input as given (shared by every module reading it), u (b·s x r) and the r-wide casts; no gradient for
+the frozen weight. In fp32 the arithmetic is peft's (the same products; sums in another order: equal to fp32
 rounding). In bf16 the adapter runs in bf16 like FSDP2's (which casts the adapters with every parameter), where
 peft runs it in fp32.
 
@@ -60,19 +61,17 @@ class LoraLinearFunction(torch.autograd.Function):
         u = xa2 @ ac.t()  # (tokens, r)
         y.addmm_(u, bc.t(), alpha=scaling)
         need_x, need_w, _, need_a, need_b, _, need_xa = ctx.needs_input_grad[:7]
+        # ac and bc saved too, not kept on ctx: where they are cast afresh in every forward (FSDP2 unshards the
+        # adapters into new storages each time, so compute_adapters' key never matches) a checkpointed block's
+        # copies would otherwise stay alive from its forward to its backward
         ctx.save_for_backward(weight if need_x else None, x2 if need_w else None,
-                              xa2 if need_a else None, u if need_b else None)
-        # Not saved tensors: each of those costs a pack and an unpack hook under activation checkpointing (host time
-        # per Linear per micro-batch), and these need no recompute: the step's copies (compute_adapters), held for
-        # the step anyway, or the parameters themselves, which nothing writes between a forward and its backward.
-        ctx.ac, ctx.bc = ac, bc
+                              xa2 if need_a else None, u if need_b else None, ac, bc)
         ctx.scaling, ctx.x_shape, ctx.has_x_adapter, ctx.grad_slot = scaling, x.shape, x_adapter is not None, grad_slot
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        weight, x2, xa2, u = ctx.saved_tensors
-        ac, bc = ctx.ac, ctx.bc
+        weight, x2, xa2, u, ac, bc = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b, _, need_xa = ctx.needs_input_grad[:7]
         s = ctx.scaling
         g = grad_out.reshape(-1, grad_out.shape[-1])
