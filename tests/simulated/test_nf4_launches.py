@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.engine.nf4_layout import Nf4Layout
-from shardtune.engine.nf4_linear import cols_per_tile, tile_rows, tiled_view
+from shardtune.engine.nf4_linear import cols_per_tile, lookup_words, tile_rows, tiled_view
 from shardtune.plan.planner import make_plan
 from shardtune.plan.roofline import estimated_launches
 from shardtune.simulated.launches import LaunchCounter
@@ -48,6 +48,23 @@ def test_launches_per_tile_not_per_block(tiles: int) -> None:
     assert forward == SCALERS + PER_TILE * tiles
     assert backward == PER_TILE * tiles
     assert _launches(2 * out_f, 2 * in_f, 4 * out_f * in_f * 2 // tiles) == (forward, backward, tiles, tiles)
+
+
+def test_a_large_tile_looks_up_in_pieces_of_two_kernels() -> None:
+    """A whole 8192 x 16384 bf16 weight in one 256 MiB tile: its 128 MiB lookup index goes in two pieces of at most a
+    quarter of the tile (lookup_words), two kernels each (cast, lookup), then the scale and one GEMM; the backward
+    the same, without the scalers."""
+    out_f, in_f, tile = 8192, 16384, 256 << 20
+    layout = Nf4Layout.of(torch.Size((out_f, in_f)), torch.bfloat16)
+    w = tiled_view(torch.empty(layout.nbytes, dtype=torch.uint8, device="meta"), layout, tile)
+    assert tile_rows(w, tile) == out_f and out_f * in_f // 4 == 2 * lookup_words(tile)
+    x = torch.empty(16, in_f, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    F.linear(x.detach(), w)
+    with LaunchCounter(1) as counter:
+        y = F.linear(x, w)
+        forward = counter.counts[0, "forward"]
+        y.backward(torch.empty_like(y))
+    assert (forward, counter.counts[0, "backward"]) == (SCALERS + 2 * 2 + 2, 2 * 2 + 2)
 
 
 RECIPE_70B = "llama-3.1-70b-qlora-2x24gb"
