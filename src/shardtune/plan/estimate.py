@@ -385,8 +385,11 @@ def loss_bytes(stats: ModelStats, s: Setup, head_trains: bool, vocab_rows: int =
         W = s.shard_size
         full_fwd, full_bwd = loss_bytes(stats, s, head_trains)
         if not s.loss_chunk:  # measured: the all-to-all's buffers are gone before the full logits' forward peak;
-            # its backward holds the logits' gradient, its padded copy and the all-to-all's two buffers (b·s·V each)
-            return full_fwd, max(full_bwd, 4 * tokens * V * c)
+            # its backward holds the logits' gradient, its padded copy and the all-to-all's two buffers (b·s·V each).
+            # The head saves the gathered hidden states (W·b·s·H) for its backward, which adds their gradient's
+            # partial sums (g @ weight, W·b·s·H) before scatter_sum (engine/vocab.py _VocabLogits)
+            gathered = W * tokens * d.hidden * c
+            return full_fwd + gathered, max(full_bwd, 4 * tokens * V * c) + 2 * gathered
         G = W * tokens
         C = min(s.loss_chunk, G)
         grads = tokens * d.hidden * c + (vocab_rows * d.hidden * 4 if head_trains else 0)
