@@ -43,3 +43,17 @@ def test_each_distinct_row_is_asked_once():
 
     rows, refused = all_pairs(FACTORS, refuse, tries=8)
     assert refused and len(asked) == len(set(asked))
+
+
+def test_an_excluded_pair_is_a_constraint_not_a_loss_of_coverage():
+    # d=0 runs only with c=q (as offloaded activations need checkpointing): probed with c at its first value, every
+    # pair of d=0 would read as refused; excluded, only (c=p, d=0) is, and d=0 meets every other value
+    def refuse(row):
+        return "d=0 needs c=q" if (row["c"], row["d"]) == ("p", 0) else None
+
+    want = {(n, v, m, w) for n, m in itertools.combinations(FACTORS, 2) for v in FACTORS[n] for w in FACTORS[m]}
+    rows, refused = all_pairs(FACTORS, refuse, excluded=[("c", "p", "d", 0)])
+    assert want - _covered(rows) == {("c", "p", "d", 0)} and not any(refuse(r) for r in rows)
+    assert [((r["c"], r["d"]), why) for r, why in refused] == [(("p", 0), "d=0 needs c=q")]
+    without = all_pairs(FACTORS, refuse)[0]  # the probe's first values: d=0's other pairs are lost with it
+    assert len(want - _covered(without)) > 1
