@@ -23,9 +23,9 @@ FP32 = ["engine.mixed_precision=fp32", "engine.cpu_offload=false", "model.dtype=
 # embedding's output), every later block one with a gradient, and dynamo guards on requires_grad: one graph each.
 CASES = {"dense": ("tiny-cpu", [], 1),
          "lora": ("tiny-lora-cpu", FP32, 2),  # activation checkpointing on: the recompute calls the compiled block
-         "qlora": ("tiny-qlora-cpu", FP32, 2),  # NF4 base: engine/custom_ops.py's nf4_linear, one node per Linear
-         "moe": ("tiny-moe-cpu", [], 1),  # routed experts: custom_ops.grouped_mm, its weight gradients included
-         # documents as a tensor (custom_ops.document_attention); rows of 96 tokens hold several of them
+         "qlora": ("tiny-qlora-cpu", FP32, 2),  # NF4 base: engine/nf4_linear.py's nf4_linear_op, one node per Linear
+         "moe": ("tiny-moe-cpu", [], 1),  # routed experts: model/experts.py grouped_mm_op, its weight gradients included
+         # documents as a tensor (model/attention.py document_attention_op); rows of 96 tokens hold several of them
          "packed": ("tiny-cpu", ["data.packing=true", "data.seq_len=96"], 1)}
 SEQ_LENS = (32,)
 

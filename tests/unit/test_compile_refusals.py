@@ -39,7 +39,7 @@ def test_installed_executable_refuses_mlp_chunks_under_compile():
 @pytest.mark.parametrize("packing", ["true", "false"])
 def test_off_by_default_and_dense_qlora_moe_validate_packed_or_not(recipe, packing, capsys):
     """QLoRA's NF4 matmuls, the experts' grouped matmul and packed rows' attention compile as custom ops
-    (engine/custom_ops.py): accepted."""
+    (torch.library ops: model/experts.py, engine/nf4_linear.py): accepted."""
     assert load_recipe(recipe, []).engine.compile is False
     code, out, err = run_cli(["validate", recipe, "engine.compile=true", f"data.packing={packing}"], capsys)
     assert code == 0, (out, err)

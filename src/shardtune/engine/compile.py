@@ -7,12 +7,14 @@ the compiled graph sees the gathered views as ordinary tensor inputs (no recompi
 
 `fullgraph=True`: a graph break inside a block raises instead of silently running part of it eagerly. What dynamo
 cannot trace, QLoRA's tiled NF4 matmuls and the experts' grouped matmul, runs as one custom op each
-(engine/custom_ops.py, called where `torch.compiler.is_compiling()`), the eager code inside.
+(torch.library ops beside the eager code they run: model/experts.py grouped_mm_op, engine/nf4_linear.py
+nf4_linear_op, engine/nf4_experts.py nf4_grouped_linear, model/attention.py document_attention_op; each called
+where `torch.compiler.is_compiling()`).
 Static shapes (`dynamic=False`): every row of a run is data.seq_len long (packed, or padded), so a run has one shape
 and compiles once per block class. A symbolic sequence length buys nothing here: the attention's host document
 lengths (model/attention.py) are Python ints that would specialize it anyway. `run` below hands the attention the
 row length instead (unpacked rows: one constant per run), or the documents as a host tensor of a fixed shape
-(packed rows: a graph input, read by custom_ops.document_attention).
+(packed rows: a graph input, read by attention.document_attention_op).
 """
 from __future__ import annotations
 

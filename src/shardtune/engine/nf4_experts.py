@@ -18,14 +18,15 @@ multiple of 64, tiny test models) make the backward sum output-row tiles instead
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from shardtune.engine.custom_ops import nf4_grouped_linear
 from shardtune.engine.nf4 import NF4Tensor
 from shardtune.engine.nf4_layout import BLOCK
-from shardtune.engine.nf4_linear import _buffer, _byte_table, _gcd, block_scalers, dequantize_cols
+from shardtune.engine.nf4_linear import _buffer, _byte_table, _gcd, block_scalers, dequantize_cols, nf4_weight
 from shardtune.model.experts import grouped_mm
 
 ROW_ALIGN = 8  # output rows per tile a multiple of 8: 16-byte rows in bf16, what torch's grouped kernel needs
@@ -133,3 +134,63 @@ class _GroupedNf4(torch.autograd.Function):
             o1 = min(a, o0 + rows)
             acc += grouped_mm(g[:, o0:o1].contiguous(), _tile(w, o0, o1, scalers, g.dtype), offsets)
         return acc.to(g.dtype), None, None
+
+
+# -- the compiled form: torch.library custom ops over the NF4 parts (engine/compile.py) ---------------------
+
+
+def nf4_grouped_linear(x: Tensor, offsets: Tensor, w: Any) -> Tensor:
+    """Nf4Experts.grouped_linear(x, offsets) as one op over the NF4 parts. Traced instead, its tiles
+    would be written into the tile buffer every weight shares, which the graph saves for backward."""
+    m = w.matrix
+    return _nf4_grouped(x, offsets, m.quantized_data, m.quantized_scalers, m.quantization_factor, m.scaler_mean,
+                        m.nf4, list(w.shape), m.block_size, m.scaler_block_size, w.tile_bytes)
+
+
+def _experts(codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor, levels: Tensor, shape: list[int],
+             block_size: int, scaler_block: int, tile_bytes: int) -> Any:
+    e, out_f, in_f = shape
+    matrix = nf4_weight(codes, scalers, factors, mean, levels, e * out_f, in_f, block_size, scaler_block, tile_bytes)
+    return Nf4Experts(matrix, torch.Size(shape), tile_bytes=tile_bytes)
+
+
+@torch.library.custom_op("shardtune::nf4_grouped", mutates_args=())
+def _nf4_grouped(x: Tensor, offsets: Tensor, codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor,
+                 levels: Tensor, shape: list[int], block_size: int, scaler_block: int, tile_bytes: int) -> Tensor:
+    w = _experts(codes, scalers, factors, mean, levels, shape, block_size, scaler_block, tile_bytes)
+    with torch.no_grad():
+        return w.grouped_linear(x, offsets).contiguous()
+
+
+@_nf4_grouped.register_fake
+def _(x: Tensor, offsets: Tensor, codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor, levels: Tensor,
+      shape: list[int], block_size: int, scaler_block: int, tile_bytes: int) -> Tensor:
+    return x.new_empty(x.shape[0], shape[1])
+
+
+@torch.library.custom_op("shardtune::nf4_grouped_backward", mutates_args=())
+def _nf4_grouped_backward(grad: Tensor, offsets: Tensor, codes: Tensor, scalers: Tensor, factors: Tensor,
+                          mean: Tensor, levels: Tensor, shape: list[int], block_size: int, scaler_block: int,
+                          tile_bytes: int) -> Tensor:
+    w = _experts(codes, scalers, factors, mean, levels, shape, block_size, scaler_block, tile_bytes)
+    with torch.no_grad():
+        return _GroupedNf4.backward(SimpleNamespace(saved_tensors=(offsets,), w=w), grad)[0].contiguous()
+
+
+@_nf4_grouped_backward.register_fake
+def _(grad: Tensor, offsets: Tensor, codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor,
+      levels: Tensor, shape: list[int], block_size: int, scaler_block: int, tile_bytes: int) -> Tensor:
+    return grad.new_empty(grad.shape[0], shape[2])
+
+
+def _nf4_grouped_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[1:7])  # offsets and the NF4 parts (views of the gathered bytes), never the input
+    ctx.meta = inputs[7:]
+
+
+def _nf4_grouped_bwd(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    gx = _nf4_grouped_backward(grad, *ctx.saved_tensors, *ctx.meta) if ctx.needs_input_grad[0] else None
+    return (gx, *([None] * 10))
+
+
+_nf4_grouped.register_autograd(_nf4_grouped_bwd, setup_context=_nf4_grouped_setup)

@@ -24,13 +24,14 @@ input. The tile buffer is the only dequantized storage, its size set by bytes.
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from shardtune.engine.custom_ops import nf4_linear as nf4_linear_op
-from shardtune.engine.nf4 import NF4Tensor, codebook, nf4_view
+from shardtune.engine.nf4 import NF4Tensor, SubclassTensorArgs, codebook, nf4_view
 from shardtune.engine.nf4_layout import BLOCK, Nf4Layout
 
 _BUFFERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the reused tile buffer, per dtype/device
@@ -240,7 +241,7 @@ class _TiledLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:
-        w, *saved = ctx.saved_tensors  # the scalers, unless a caller hands the weight alone (engine/custom_ops.py)
+        w, *saved = ctx.saved_tensors  # the scalers, unless a caller hands the weight alone (nf4_linear_op)
         scalers = saved[0] if saved else block_scalers(w)
         out_f, in_f = w.shape
         g2 = grad_y.reshape(-1, out_f)
@@ -266,3 +267,68 @@ class _TiledLinear(torch.autograd.Function):
             wt = dequantize_rows(w, r0, r1, buf, scalers, lookup_words(w.tile_bytes))
             acc.add_(g2[:, r0:r1] @ wt.to(grad_y.dtype))
         return acc.to(grad_y.dtype).view(*grad_y.shape[:-1], in_f), None
+
+
+# -- the compiled form: torch.library custom ops over the weight's plain parts (engine/compile.py) ------------
+
+
+def nf4_linear_op(x: Tensor, w: Any) -> Tensor:
+    """F.linear(x, w) for a TiledNF4Tensor `w`, as one op over its parts. (torchao's own NF4Tensor,
+    engine.nf4_tile_mb=0, needs none: dynamo traces its whole-weight dequantize.)"""
+    out_f, in_f = w.shape
+    return _nf4_linear(x, w.quantized_data, w.quantized_scalers, w.quantization_factor, w.scaler_mean, w.nf4,
+                       out_f, in_f, w.block_size, w.scaler_block_size, w.tile_bytes)
+
+
+def nf4_weight(codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor, levels: Tensor, out_f: int, in_f: int,
+            block_size: int, scaler_block: int, tile_bytes: int) -> Any:
+    """The NF4 weight the eager run computes with, over the same parts (no copy): nf4.nf4_view's construction."""
+    cls = TiledNF4Tensor if tile_bytes else NF4Tensor
+    meta = SubclassTensorArgs(torch.Size((out_f, in_f)), (in_f, 1), 0, factors.dtype, codes.device, False)
+    w = cls(meta, block_size, out_f * in_f // block_size, scaler_block, scalers, factors, mean, codes, levels)
+    if tile_bytes:
+        w.tile_bytes = tile_bytes
+    return w
+
+
+@torch.library.custom_op("shardtune::nf4_linear", mutates_args=())
+def _nf4_linear(x: Tensor, codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor, levels: Tensor,
+                out_f: int, in_f: int, block_size: int, scaler_block: int, tile_bytes: int) -> Tensor:
+    w = nf4_weight(codes, scalers, factors, mean, levels, out_f, in_f, block_size, scaler_block, tile_bytes)
+    with torch.no_grad():
+        return F.linear(x, w).contiguous()
+
+
+@_nf4_linear.register_fake
+def _(x: Tensor, codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor, levels: Tensor, out_f: int,
+      in_f: int, block_size: int, scaler_block: int, tile_bytes: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], out_f)
+
+
+@torch.library.custom_op("shardtune::nf4_linear_backward", mutates_args=())
+def _nf4_linear_backward(grad: Tensor, codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor,
+                         levels: Tensor, out_f: int, in_f: int, block_size: int, scaler_block: int,
+                         tile_bytes: int) -> Tensor:
+    """grad_x = grad_y @ W by the eager Function's own backward (tiles, or torchao's whole weight)."""
+    w = nf4_weight(codes, scalers, factors, mean, levels, out_f, in_f, block_size, scaler_block, tile_bytes)
+    with torch.no_grad():
+        return _TiledLinear.backward(SimpleNamespace(saved_tensors=(w,)), grad)[0].contiguous()
+
+
+@_nf4_linear_backward.register_fake
+def _(grad: Tensor, codes: Tensor, scalers: Tensor, factors: Tensor, mean: Tensor, levels: Tensor, out_f: int,
+      in_f: int, block_size: int, scaler_block: int, tile_bytes: int) -> Tensor:
+    return grad.new_empty(*grad.shape[:-1], in_f)
+
+
+def _nf4_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[1:6])  # the NF4 parts: views of the gathered bytes, never the input
+    ctx.meta = inputs[6:]
+
+
+def _nf4_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    gx = _nf4_linear_backward(grad, *ctx.saved_tensors, *ctx.meta) if ctx.needs_input_grad[0] else None
+    return (gx, *([None] * 10))
+
+
+_nf4_linear.register_autograd(_nf4_backward, setup_context=_nf4_setup)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.nn.attention.varlen import varlen_attn
 
 from shardtune import accelerator
@@ -62,13 +63,10 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         return cached_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                 **kwargs), None
     if isinstance(doc_lengths, torch.Tensor):  # packed rows in a compiled block (engine/compile.py): one custom op
-        from shardtune.engine import custom_ops
-
         if dropout:
             raise ValueError("attention dropout in a compiled block over packed rows: its backward recomputes the "
                              "attention; set engine.compile=false or data.packing=false")
-        return custom_ops.document_attention(query, key, value, doc_lengths, scaling,
-                                             kwargs.get("sliding_window")), None
+        return document_attention_op(query, key, value, doc_lengths, scaling, kwargs.get("sliding_window")), None
     b, _, s, _ = query.shape
     gqa = key.shape[1] != query.shape[1]
     window = kwargs.get("sliding_window")  # None on full-attention layers and models without one
@@ -207,3 +205,58 @@ def register() -> str:
 def attn_implementation(name: str) -> str:
     """The recipe's `model.attn_implementation` -> what transformers builds: sdpa becomes the per-document path."""
     return register() if name == "sdpa" else name
+
+
+# -- the compiled form over packed rows: a torch.library custom op (engine/compile.py) ----------------------
+
+
+def document_attention_op(query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+                       window: int | None) -> Tensor:
+    """`document_attention` over packed rows whose documents come as `lengths` (host int64, (rows,
+    seq_len): each row's document lengths, then zeros) -> [b, s, heads, d]."""
+    return _document_attention(query, key, value, lengths, scaling, window)
+
+
+def _eager_attention(query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+                     window: int | None) -> Tensor:
+    docs = tuple(tuple(n for n in row if n) for row in lengths.tolist())  # a host tensor: no device sync
+    extra = {} if window is None else {"sliding_window": window}
+    return document_attention(None, query, key, value, None, scaling=scaling, doc_lengths=docs, **extra)[0]
+
+
+@torch.library.custom_op("shardtune::document_attention", mutates_args=())
+def _document_attention(query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+                        window: int | None) -> Tensor:
+    return _eager_attention(query, key, value, lengths, scaling, window).contiguous()
+
+
+@_document_attention.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+      window: int | None) -> Tensor:
+    b, h, s, d = query.shape
+    return query.new_empty(b, s, h, d)
+
+
+@torch.library.custom_op("shardtune::document_attention_backward", mutates_args=())
+def _document_attention_backward(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, lengths: Tensor,
+                                 scaling: float | None, window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    _, vjp = torch.func.vjp(lambda q, k, v: _eager_attention(q, k, v, lengths, scaling, window), query, key, value)
+    return tuple(g.contiguous() for g in vjp(grad.contiguous()))
+
+
+@_document_attention_backward.register_fake
+def _(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scaling: float | None,
+      window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[:4])
+    ctx.meta = inputs[4:]
+
+
+def _attention_bwd(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    return (*_document_attention_backward(grad, *ctx.saved_tensors, *ctx.meta), None, None, None)
+
+
+_document_attention.register_autograd(_attention_bwd, setup_context=_attention_setup)

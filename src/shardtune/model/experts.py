@@ -18,10 +18,11 @@ loads with `PeftModel.from_pretrained` and merges to the same weights.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from shardtune import accelerator
 
@@ -125,12 +126,10 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x (S, in) rows sorted by expert @ w (E, in, out) per expert. torch's grouped kernel needs 16-byte aligned
     strides (a rank-4 bf16 adapter's rows are 8 bytes) and, on an accelerator, bf16; otherwise transformers'
-    per-expert fallback op (a loop with one host read). Inside a compiled block: engine/custom_ops.py's op, one graph
-    node running this function (torch's meta kernel takes bf16 only)."""
+    per-expert fallback op (a loop with one host read). Inside a compiled block: `grouped_mm_op`, one graph node
+    running this function."""
     if torch.compiler.is_compiling():
-        from shardtune.engine import custom_ops
-
-        return custom_ops.grouped_mm(x, w, offsets)
+        return grouped_mm_op(x, w, offsets)
     if torch_grouped_kernel(x, w):
         return F.grouped_mm(x, w, offs=offsets)
     from transformers.integrations import moe  # registers torch.ops.transformers.grouped_mm_fallback
@@ -222,3 +221,57 @@ def merge_factors(adapters: dict[str, torch.Tensor], model: nn.Module) -> dict[s
         out[f"{prefix}.{attr.removeprefix('lora_')}"] = ((b.transpose(-2, -1), a.transpose(-2, -1))
                                                          if prefix in transposed else (a, b))
     return out
+
+
+# -- the compiled form: a torch.library custom op (what dynamo cannot trace; engine/compile.py) ------------
+
+
+@torch.library.custom_op("shardtune::grouped_mm", mutates_args=())
+def grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """`grouped_mm` as one graph node of a compiled block (engine/compile.py): torch's meta kernel takes bf16 only, so
+    an fp32 trace of F.grouped_mm fails, and transformers' fallback reads the offsets on the host. The fake says only
+    the output's shape, (S, out): S is the input's (tokens x top-k), static per run. x (S, in), rows sorted by
+    expert, @ w (E, in, out) per expert; offsets (E,) int32 cumulative rows."""
+    # torch's grouped kernel may pad the output's row stride to 16 bytes: the fake says contiguous
+    return grouped_mm(x, w, offsets).contiguous()
+
+
+@grouped_mm_op.register_fake
+def _(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("shardtune::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(grad: Tensor, x: Tensor, w: Tensor, offsets: Tensor, need_x: bool,
+                        need_w: bool) -> tuple[Tensor, Tensor]:
+    """(grad_x, grad_w) of `grouped_mm_op`, as an eager run's autograd computes them (bit for bit: the same kernel
+    calls as torch's grouped_mm derivative, or transformers' fallback backward op). An unneeded one is empty."""
+    grad = grad.contiguous()
+    if not torch_grouped_kernel(x, w):
+        gx, gw = torch.ops.transformers.grouped_mm_fallback_backward(x, w, offsets, grad)
+    else:
+        gx = F.grouped_mm(grad, w.transpose(-2, -1), offs=offsets) if need_x else None
+        gw = F.grouped_mm(x.t(), grad, offs=offsets) if need_w else None  # (E, in, out): rows of expert e
+    gx = gx.contiguous() if need_x else x.new_empty(0)
+    gw = gw.contiguous() if need_w else w.new_empty(0)
+    return gx, gw
+
+
+@grouped_mm_backward.register_fake
+def _(grad: Tensor, x: Tensor, w: Tensor, offsets: Tensor, need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
+    return (x.new_empty(x.shape) if need_x else x.new_empty(0)), (w.new_empty(w.shape) if need_w else w.new_empty(0))
+
+
+def _grouped_setup(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _grouped_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    x, w, offsets = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gx, gw = grouped_mm_backward(grad, x, w, offsets, need_x, need_w)
+    return (gx if need_x else None), (gw if need_w else None), None
+
+
+grouped_mm_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)

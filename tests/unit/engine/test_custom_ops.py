@@ -1,5 +1,5 @@
-"""engine/custom_ops.py: the ops a compiled block calls where dynamo cannot trace (the experts' grouped matmul, the
-tiled NF4 matmuls) pass torch.library.opcheck, compute what the eager code computes (values and gradients, bit for
+"""The torch.library custom ops a compiled block calls where dynamo cannot trace (model/experts.py grouped_mm_op, the
+tiled NF4 matmuls of engine/nf4_linear.py and nf4_experts.py; each op lives beside the eager code it runs) pass torch.library.opcheck, compute what the eager code computes (values and gradients, bit for
 bit) and trace into one graph that a freshly gathered weight (new views, new objects, every step) does not recompile.
 The trainer-level parity (2 ranks, 4 steps, inductor) is tests/distributed/test_compile.py."""
 from __future__ import annotations
@@ -9,12 +9,11 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-from shardtune.engine import custom_ops
 from shardtune.engine.nf4 import quantize
 from shardtune.engine.nf4_experts import Nf4Experts
 from shardtune.engine.nf4_layout import Nf4Layout
 from shardtune.engine.nf4_linear import tiled_view
-from shardtune.model.experts import grouped_mm
+from shardtune.model.experts import grouped_mm, grouped_mm_op
 
 OFFSETS = torch.tensor([3, 3, 8, 12], dtype=torch.int32)  # 4 experts, one routed no row
 
@@ -24,10 +23,10 @@ def test_grouped_mm_op_is_the_eager_grouped_mm(dims):
     torch.manual_seed(0)
     x = torch.randn(12, dims[0], requires_grad=True)
     w = torch.randn(4, dims[0], dims[1], requires_grad=True)
-    torch.library.opcheck(custom_ops.grouped_mm, (x, w, OFFSETS))
+    torch.library.opcheck(grouped_mm_op, (x, w, OFFSETS))
     g = torch.randn(12, dims[1])
     eager = grouped_mm(x, w, OFFSETS)
-    ours = custom_ops.grouped_mm(x, w, OFFSETS)
+    ours = grouped_mm_op(x, w, OFFSETS)
     assert torch.equal(eager, ours)
     for a, b in zip(torch.autograd.grad(eager, (x, w), g), torch.autograd.grad(ours, (x, w), g), strict=True):
         assert torch.equal(a, b)
