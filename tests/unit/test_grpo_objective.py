@@ -105,6 +105,7 @@ def test_the_steps_figures_are_gathered_in_global_order(monkeypatch):
 
     monkeypatch.setattr(grpo.dist, "all_gather", all_gather)
     monkeypatch.setattr(grpo.accelerator, "host_group", lambda: None)
+    monkeypatch.setattr(grpo.dist, "get_world_size", lambda group=None: world)  # every rank in the host group
     assert torch.equal(grpo._gather_global(parts[0], world=world, accum=accum)[0], glob)
 
 
