@@ -69,12 +69,11 @@ TUNING = {"full": (), "lora": ("lora.enabled=true", "lora.r=4", "lora.alpha=8"),
 DPO = ("train.objective=dpo", "data.format=preference", "data.path=builtin:prefer-reverse")
 # GRPO's step samples 2 completions of 2 tokens per prompt on the simulated GPU (the held-out greedy ones first; top-k
 # then top-p, so the sampler's sort and filter run there too), keeps the sampling policy's log-probs (num_iterations
-# 2) and, under LoRA, the reference's (beta > 0: a forward with the adapters off), then steps on them
+# 2) and the reference's (beta > 0: under LoRA a forward with the adapters off, under full fine-tuning the frozen
+# sharded copy of the starting weights, trainer/reference.py), then steps on them
 GRPO = ("train.objective=grpo", "data.format=prompt", "data.path=builtin:prompt-reverse", "grpo.num_generations=2",
-        "grpo.max_new_tokens=2", "grpo.num_iterations=2", "grpo.top_k=8", "grpo.top_p=0.9")
-GRPO_KL = ("grpo.beta=0.04",)  # full fine-tuning has no reference copy: validate refuses beta > 0 there
-OBJECTIVE = {"sft": lambda row: (), "dpo": lambda row: DPO,
-             "grpo": lambda row: GRPO + (GRPO_KL if row["tuning"] != "full" else ())}
+        "grpo.max_new_tokens=2", "grpo.num_iterations=2", "grpo.top_k=8", "grpo.top_p=0.9", "grpo.beta=0.04")
+OBJECTIVE = {"sft": lambda row: (), "dpo": lambda row: DPO, "grpo": lambda row: GRPO}
 
 
 def overrides(row: Row) -> list[str]:
@@ -185,7 +184,7 @@ def step_save_resume(row: Row, out: Path) -> None:
     assert record["step"] == 1, record
     if row["objective"] == "grpo":  # each prompt's 2 completions drawn, 2 tokens each (the simulated reads never stop)
         assert record["completions/mean_length"] == 2 and "reward" in record, record
-        assert ("kl" in record) == (row["tuning"] != "full"), record  # the adapters-off reference's term, under LoRA
+        assert "kl" in record, record  # the reference's term: adapters off (LoRA), or the frozen copy (full)
     assert row["backend"] == "torch" or row["world"] == 1 or record["comm_bytes"] > 0, record  # FSDP2 counts none
     books = tracker.device  # blocks are rounded up and carved from segments; the step ends with a device sync
     assert books.peak_reserved >= books.peak_allocated >= tracker.peak_bytes() > 0, vars(books)
