@@ -303,9 +303,9 @@ def _gather_global(local: torch.Tensor, *, world: int, accum: int) -> torch.Tens
     r holds global positions [(a*W + r) * n/accum, +n/accum)."""
     if world == 1:
         return local
-    group = accelerator.host_group()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local, group=group)
+    host_group = accelerator.host_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(host_group))]
+    dist.all_gather(parts, local, group=host_group)
     if len(parts) == 1:  # plan --simulate: rank 0 stands alone for the world (its host group is itself), as its peers
         parts *= world
     k, n = local.shape
