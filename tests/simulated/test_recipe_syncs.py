@@ -1,5 +1,6 @@
 """Every recipes/hardware recipe's training step has one host synchronization on the simulated GPU (its read of the
-loss and the norm, which carries the ranks' stop agreement too), with the product's defaults and the recipe's own
+loss and the norm, which carries the ranks' stop agreement too; a GRPO recipe's sampling reads apart, bounded
+below), with the product's defaults and the recipe's own
 settings, the Qwen3-30B-A3B MoE recipes included: the simulated GPU takes CUDA's branches (the MoE routing and NF4
 experts have no simulated-only path), so a sync in them is counted. The recipes run with 2 decoder
 layers (model.config pointed at a copy of theirs): the syncs of a step do not depend on its depth (asserted once at
@@ -43,10 +44,26 @@ def _step_syncs(name: str, tmp: Path, *, layers: int) -> list[list[tuple[str, st
         return steps
 
 
+# GRPO's sampling (trainer/decode.py) reads the device per decoding forward: the early stop's all-ended count, and
+# transformers' SDPA mask check (`padding_mask.all()`); and once per sampling batch, the completions for the rewards.
+# Not the training step's: issue 58 counts those apart (still open: 2 reads a token where 1 would do).
+DECODE_READS = {("to_host", "shardtune.trainer.decode:_all_ended"),
+                ("item", "transformers.masking_utils:_ignore_causal_mask_sdpa")}
+SAMPLE_READ = ("to_host", "shardtune.trainer.sampling:_sample_batch")
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_hardware_recipe_step_has_one_host_sync(name: str, tmp_path: Path) -> None:
     assert any(n.startswith("qwen3-30b-a3b-qlora") for n in RECIPES)  # MoE + NF4 experts among them
-    assert _step_syncs(name, tmp_path, layers=2) == [[STEP_READ], [STEP_READ]]
+    steps = _step_syncs(name, tmp_path, layers=2)
+    recipe = load_recipe(name)
+    if recipe.train.objective == "grpo":
+        tokens = recipe.grpo.max_new_tokens  # the simulated reads never say "ended": every batch decodes them all
+        decode = [[s for s in step if s in DECODE_READS] for step in steps]
+        batches = [step.count(SAMPLE_READ) for step in steps]
+        assert batches[1] == 2 and all(len(d) <= 2 * tokens * n for d, n in zip(decode, batches)), (batches, decode)
+        steps = [[s for s in step if s not in DECODE_READS and s != SAMPLE_READ] for step in steps]
+    assert steps == [[STEP_READ], [STEP_READ]]
 
 
 def test_host_syncs_do_not_depend_on_depth(tmp_path: Path) -> None:
