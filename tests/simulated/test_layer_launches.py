@@ -25,9 +25,10 @@ def test_launches_per_decoder_layer(tmp_path: Path) -> None:
     adapters' gradients back to fp32, 1 add each into the replicated bucket), q and k rotated together (6 kernels
     each way: model/rotary.py), the norms, the MLP's activation, the residual sums, varlen attention. Was 229 (58
     forward, 21 recompute, 148 backward, 2 communication) before the rotary Function and before the replicated
-    adapters' hook stopped handing autograd zeros (engine/replicated.py)."""
+    adapters' hook stopped handing autograd zeros (engine/replicated.py). The recompute replays the whole unit
+    (engine/checkpointing.py): its last residual sum too, 1 kernel that torch's checkpoint stopped before."""
     one, two = _by_phase(1, tmp_path), _by_phase(2, tmp_path)
     layer = {p: two[p] - one[p] for p in PHASES}
     assert layer["optimizer"] == 0, layer
-    assert layer["forward"] <= 54 and layer["recompute"] <= 11 and layer["backward"] <= 116, layer
+    assert layer["forward"] <= 54 and layer["recompute"] <= 12 and layer["backward"] <= 116, layer
     assert sum(layer.values()) <= 183, layer

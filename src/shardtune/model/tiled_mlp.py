@@ -37,6 +37,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# Set on each unit apply_sequence_chunking changes: its chunks are checkpointed on their own, which the unit's
+# checkpoint must not replay whole (engine/checkpointing.py replayable)
+SEQUENCE_CHUNKED = "_shardtune_sequence_chunked"
 MLP_CHILD = "mlp"
 NORM_CHILDREN = ("input_layernorm", "post_attention_layernorm")  # HF decoder blocks' two RMSNorms
 MLP_NORM = NORM_CHILDREN[1]
@@ -144,6 +147,8 @@ def apply_sequence_chunking(units: list[nn.Module], *, chunk_tokens: int) -> dic
     changed: "mlp" (with its norm where fused), "fused" (those MLPs), "norms" (the norms chunked on their own)."""
     from shardtune.model.chunked_lora import apply_chunked_lora
 
+    for u in units:
+        u.__dict__[SEQUENCE_CHUNKED] = True
     rest = [u for u in units if not norm_feeds_only_mlp(u)]  # before fusing: it reads the children's modules
     fused = apply_fused_norm_mlp_chunking(units, chunk_tokens=chunk_tokens)
     return {"mlp": fused + apply_mlp_chunking(rest, chunk_tokens=chunk_tokens), "fused": fused,

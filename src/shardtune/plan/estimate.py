@@ -95,6 +95,7 @@ class Setup:
     offload_activations: bool = False  # engine.offload_activations (engine/offload_activations.py)
     mlp_chunk: int = 0  # engine.mlp_chunk_tokens (model/tiled_mlp.py): tokens per MLP chunk; 0: the whole sequence
     context_parallel: int = 1  # engine.context_parallel (model/context_parallel.py): ranks splitting each row
+    replay: bool = True  # no engine.compile, no LoRA dropout: checkpointed units may take our recompute (recomputes)
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -115,12 +116,23 @@ class Setup:
                    split_tables=p.vocab_parallel and not ours,
                    shard_adapter_states=p.shard_replicated_states and ours, backend=r.engine.backend,
                    offload_activations=p.offload_activations, mlp_chunk=p.mlp_chunk_tokens,
-                   context_parallel=context_parallel_size(r, world, nodes))
+                   context_parallel=context_parallel_size(r, world, nodes),
+                   replay=not r.engine.compile and not (r.lora.enabled and r.lora.dropout > 0))
 
     @property
     def local_seq(self) -> int:
         """Tokens of each row this rank runs: the row, or its 1/N under engine.context_parallel."""
         return self.seq_len // self.context_parallel
+
+    @property
+    def recomputes(self) -> bool:
+        """Checkpointed units recompute through engine/checkpointing.py's Function (trainer/parallelize.py and
+        checkpointing.replayable: our engine, not compiled, no NF4 base, no offloaded inputs, no chunks inside, no
+        dropout; MoE blocks are checked where the model is known). Its backward runs the whole unit's backward
+        while autograd still holds the unit's incoming gradient: one b·s·h more than torch's checkpoint (measured:
+        exactly one, tests/plan_accuracy.py's checkpointed rows)."""
+        return (self.backend == "shardtune" and self.replay and not self.nf4 and not self.offload_activations
+                and not self.mlp_chunk and self.checkpointing is not False)
 
     @property
     def keeps_units(self) -> bool:
@@ -699,10 +711,12 @@ def unit_backward_phase(stats: ModelStats, s: Setup, step: StepFacts, states: Mo
     # b·s·i grads and the dequantization transient, not their sum (QLoRA table of tests/plan_accuracy.py).
     nf4_extra = max(0, step.dequant - 2 * bsi)
     overlap = s.backward_schedule == "overlap"
+    held_grad = bsh if s.recomputes and not d.moe else 0  # Setup.recomputes
     units = []
     for i in range(len(step.blocks)):
         # A recomputed fp32 unit's first norm saves the unit input itself (bf16 saves an upcast copy): counted once.
-        own = acts.saved[i] + (acts.per_layer - (bsh if c == 4 else 0) if acts.ckpt[i] else 0) + acts.fetched(i)
+        own = acts.saved[i] + (acts.per_layer - (bsh if c == 4 else 0) + held_grad if acts.ckpt[i] else 0) \
+            + acts.fetched(i)
         # engine/unit.py's schedules. Staggered: unit 1's reduction is retired before unit 0's backward; in any
         # other unit's MLP backward (its first half) the next unit's reduction is in flight and the previous unit
         # is gathered ahead only after it is retired (no reduction in flight: at once). Overlap (FSDP2's): the next
@@ -747,7 +761,8 @@ def reduction_phases(stats: ModelStats, s: Setup, step: StepFacts, states: Model
     root_cat, root_red = handoff_bytes(step.root, s, step)
     aliased_units = step.aliased and s.compute == DTYPES[stats.recipe.model.dtype] and not s.lora
     last_ckpt = bool(acts.ckpt) and acts.ckpt[-1]
-    recompute = acts.per_layer if last_ckpt else 0  # the last unit's full set, recomputed during its backward
+    # the last unit's full set, recomputed during its backward (and its incoming gradient: Setup.recomputes)
+    recompute = acts.per_layer + (acts.bsh if s.recomputes and not stats.dims.moe else 0) if last_ckpt else 0
     after_last_grad = {"gathered": held.backward - (unit_g[-1] if unit_g and not aliased_units else 0)
                        + held.offload_copy,
                        "activations": acts.total + recompute + acts.bsh - (acts.bsh if last_ckpt else acts.per_layer)
