@@ -47,19 +47,7 @@ class LoraLinearFunction(torch.autograd.Function):
         tensors when they are in it already; else copies that `compute_adapters` keeps for the whole step);
         `grad_slot`: where backward writes A's and B's gradients instead of handing them to autograd
         (model/lora_grads.py)."""
-        in_f, out_f = weight.shape[1], weight.shape[0]
-        x2 = x.reshape(-1, in_f)
-        xa2 = x2 if x_adapter is None else x_adapter.reshape(-1, in_f)
-        # Allocated in the output's shape and returned as is (not a view): a reader may write it in place
-        # (chunked_lora.LoraDelta, when a module routes around this class, does so with the base's output).
-        out = torch.empty(*x.shape[:-1], out_f, dtype=x.dtype, device=x.device)
-        y = out.view(-1, out_f)
-        if bias is None:
-            torch.mm(x2, weight.t(), out=y)
-        else:
-            torch.addmm(bias, x2, weight.t(), out=y)
-        u = xa2 @ ac.t()  # (tokens, r)
-        y.addmm_(u, bc.t(), alpha=scaling)
+        out, x2, xa2, u = _lora_linear(x, weight, bias, scaling, x_adapter, ac, bc)
         need_x, need_w, _, need_a, need_b, _, need_xa = ctx.needs_input_grad[:7]
         # ac and bc saved too, not kept on ctx: where they are cast afresh in every forward (FSDP2 unshards the
         # adapters into new storages each time, so compute_adapters' key never matches) a checkpointed block's
@@ -100,6 +88,26 @@ class LoraLinearFunction(torch.autograd.Function):
         if need_bias:
             grad_bias = g.sum(0)
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, grad_xa, None, None, None
+
+
+def _lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scaling: float,
+                 x_adapter: torch.Tensor | None, ac: torch.Tensor,
+                 bc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's arithmetic: (output, x and the adapter's input as 2-D, u)."""
+    in_f, out_f = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, in_f)
+    xa2 = x2 if x_adapter is None else x_adapter.reshape(-1, in_f)
+    # Allocated in the output's shape and returned as is (not a view): a reader may write it in place
+    # (chunked_lora.LoraDelta, when a module routes around this class, does so with the base's output).
+    out = torch.empty(*x.shape[:-1], out_f, dtype=x.dtype, device=x.device)
+    y = out.view(-1, out_f)
+    if bias is None:
+        torch.mm(x2, weight.t(), out=y)
+    else:
+        torch.addmm(bias, x2, weight.t(), out=y)
+    u = xa2 @ ac.t()  # (tokens, r)
+    y.addmm_(u, bc.t(), alpha=scaling)
+    return out, x2, xa2, u
 
 
 _NO_INPUT: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -152,6 +160,11 @@ def _forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     drop = self._modules["lora_dropout"]._modules[ADAPTER]
     x_adapter = drop(x) if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0 else None
     a, b = _adapters(self)
+    if not torch.is_grad_enabled():
+        # No graph to record (a checkpointed unit's forward: engine/checkpointing.py; eval): the same arithmetic
+        # without the Function's bookkeeping, host time every adapted Linear of every forward pays
+        return _lora_linear(x, base.weight, base.bias, float(self.scaling[ADAPTER]), x_adapter,
+                            *compute_adapters(self, a, b, x.dtype))[0]
     return LoraLinearFunction.apply(x, base.weight, base.bias, a, b, float(self.scaling[ADAPTER]), x_adapter,
                                     *compute_adapters(self, a, b, x.dtype), slot_for(self, a, b, x))
 

@@ -235,9 +235,7 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
         finally:
             tracker.stop()
         assert counter.micro == micro, (counter.micro, micro)  # each micro-step's backward was seen to end
-        cpu0 = time.process_time()
-        train_step(run, run.objective.first_full_step() + 1, None)
-        bare_cpu_s = time.process_time() - cpu0
+        bare_cpu_s = _bare_cpu_s(run, train_step)
         device_peak, host_peak = tracker.peak_bytes(), tracker.host_peak_bytes()
         books = (tracker.device.peak_allocated, tracker.device.peak_reserved, tracker.pinned.peak_reserved,
                  tracker.device.alloc_retries, tracker.device.ooms)
@@ -251,6 +249,25 @@ def simulate(recipe_ref: str, overrides: list[str] | None = None) -> Simulation:
                       ooms=books[4], rollout_peak=rollout_peak[0] if analytic_rollout else 0,
                       analytic_rollout=analytic_rollout, host_syncs=syncs, launches=launches, host_cpu_s=host_cpu_s,
                       machine=_machine(), speed=roofline.step_time(card, launches, tokens=tokens, link_gbps=link))
+
+
+# Bare steps timed after the counted one: the fastest of up to BARE_STEPS, taken while their CPU time stays under
+# BARE_BUDGET_S (a 70B step takes seconds: one). A single step read up to 2x its best on these shared cores (the
+# first after the counted step pays for warm caches), and `host_cpu_s` is what ours-vs-FSDP2 ratios are made of.
+BARE_STEPS, BARE_BUDGET_S = 3, 0.5
+
+
+def _bare_cpu_s(run: Any, train_step: Any) -> float:
+    """Process CPU seconds of the fastest bare step (no counter, no tracker) of `run`."""
+    best, spent, step = float("inf"), 0.0, run.objective.first_full_step() + 1
+    for i in range(BARE_STEPS):
+        cpu0 = time.process_time()
+        train_step(run, step + i, None)
+        took = time.process_time() - cpu0
+        best, spent = min(best, took), spent + took
+        if spent >= BARE_BUDGET_S:
+            break
+    return best
 
 
 def _peak_after_before_step(run: Any, tracker: Any) -> list[int]:
