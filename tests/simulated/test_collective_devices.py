@@ -22,7 +22,7 @@ ON_DEVICE = {
     ("engine/collectives.py", "all_to_all_into"): "vocab-parallel logits and their gradient (compute device)",
     ("engine/torch_backend.py", "clip_grad_norm_"): "the squared norm, built with device=the model's device",
     ("model/fingerprint.py", "check_same_on_all_ranks"): "checksums built with device=runtime device",
-    ("trainer/decode.py", "_all_ended"): "the count of ended rows, summed from the decoded tokens (model's device)",
+    ("trainer/decode.py", "_first_all_ended"): "the counts of ended rows, summed from the decoded tokens (model's device)",
     ("trainer/evaluate.py", "eval_loss"): "the eval loss sum and target count, built with device=runtime device",
     ("trainer/objective.py", "_precompute"): "the DPO reference table, built with device=runtime device",
     ("trainer/objective.py", "_eval_on_device"): "the DPO eval statistics, built with device=runtime device",

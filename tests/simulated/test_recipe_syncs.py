@@ -18,6 +18,7 @@ from shardtune import accelerator
 from shardtune.config.load import load_recipe
 from shardtune.plan.planner import world_of
 from shardtune.plan.simulate import _simulated_world
+from shardtune.trainer.decode import STOP_EVERY
 from tests.simulated.shallow import shallow_config
 from tests.simulated.test_step_syncs import stop_request
 
@@ -44,11 +45,12 @@ def _step_syncs(name: str, tmp: Path, *, layers: int) -> list[list[tuple[str, st
         return steps
 
 
-# GRPO's sampling (trainer/decode.py) reads the device per decoding forward: the early stop's all-ended count, and
-# transformers' SDPA mask check (`padding_mask.all()`); and once per sampling batch, the completions for the rewards.
-# Not the training step's: issue 58 counts those apart (still open: 2 reads a token where 1 would do).
-DECODE_READS = {("to_host", "shardtune.trainer.decode:_all_ended"),
-                ("item", "transformers.masking_utils:_ignore_causal_mask_sdpa")}
+# GRPO's sampling (trainer/decode.py) reads the device: the early stop's ended counts once every decode.STOP_EVERY
+# forwards, transformers' SDPA mask check (`padding_mask.all()`) every decoding forward; and once per sampling batch,
+# the completions for the rewards. Not the training step's: counted apart.
+EARLY_STOP = ("to_host", "shardtune.trainer.decode:_first_all_ended")
+MASK_READ = ("item", "transformers.masking_utils:_ignore_causal_mask_sdpa")
+DECODE_READS = {EARLY_STOP, MASK_READ}
 SAMPLE_READ = ("to_host", "shardtune.trainer.sampling:_sample_batch")
 
 
@@ -59,9 +61,12 @@ def test_hardware_recipe_step_has_one_host_sync(name: str, tmp_path: Path) -> No
     recipe = load_recipe(name)
     if recipe.train.objective == "grpo":
         tokens = recipe.grpo.max_new_tokens  # the simulated reads never say "ended": every batch decodes them all
-        decode = [[s for s in step if s in DECODE_READS] for step in steps]
         batches = [step.count(SAMPLE_READ) for step in steps]
-        assert batches[1] == 2 and all(len(d) <= 2 * tokens * n for d, n in zip(decode, batches)), (batches, decode)
+        early = [step.count(EARLY_STOP) for step in steps]
+        masks = [step.count(MASK_READ) for step in steps]
+        # a batch: at most one early-stop read per STOP_EVERY tokens; a mask read per forward (the prompt's, each token's)
+        assert batches[1] == 2 and all(e <= -(-tokens // STOP_EVERY) * n and m <= (tokens + 1) * n
+                                       for e, m, n in zip(early, masks, batches)), (batches, early, masks)
         steps = [[s for s in step if s not in DECODE_READS and s != SAMPLE_READ] for step in steps]
     assert steps == [[STEP_READ], [STEP_READ]]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 
+import pytest
 import torch
 
 from shardtune import accelerator
@@ -42,9 +43,31 @@ def test_all_rows_ending_stops_early():
     assert out.shape == (1, 7)
 
 
+@pytest.mark.parametrize("every", [2, 3, 5, 16])
+def test_early_stop_read_every_k_tokens_gives_the_per_token_output(every):
+    """decode.STOP_EVERY on a GPU: the ended counts read once every k forwards, the forwards past the end cut off.
+    Two rows ending at different tokens, the last end inside a window, at a window's edge, in the last partial
+    window (token 18 of 20: the last forward is never read), and no end at all."""
+    from shardtune.trainer.decode import decode_tokens
+
+    model = _tiny()
+    # greedy: row 0 draws 47 x 17, then 36, 24, 24; row 1 draws 11 x 9, then 102 first at token 9, 121 at 10
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+    lengths = []
+    for stops in [(47, 11), (47, 121), (36, 102), (24, 102), (3,)]:
+        kw = {"max_new_tokens": 20, "pad_token_id": 0, "stop_ids": stops, "world_size": 1,
+              "pick": lambda logits, _: logits.argmax(-1)}
+        want = decode_tokens(model, ids, None, stop_every=1, **kw)
+        got = decode_tokens(model, ids, None, stop_every=every, **kw)
+        assert torch.equal(got, want), (every, stops, got.shape, want.shape)
+        lengths.append(want.shape[1])
+    assert lengths == [1, 11, 18, 19, 20], lengths  # the premise: where the per-token check stops
+
+
 def test_demo_eval_on_the_simulated_gpu_is_bounded_by_max_new_tokens():
     """exact_match through the trainer's model on the simulated GPU: every early-stop read says "not ended" (0),
-    so decoding runs to its budget and stops there; one forward per token, one read per token and the output's."""
+    so decoding runs to its budget and stops there; one forward per token, one read for the 6 forwards' early-stop
+    counts (fewer than decode.STOP_EVERY: read once, after the loop) and the output's."""
     from shardtune.trainer.evaluate import exact_match
     from shardtune.trainer.train import setup
 
@@ -57,6 +80,6 @@ def test_demo_eval_on_the_simulated_gpu_is_bounded_by_max_new_tokens():
         assert exact_match(run.model, run.tok, samples, run.rt, max_new_tokens=7) == 0.0  # zeros decode to ""
         reads = [s for s in accelerator.host_syncs() if s[1].startswith(("shardtune.trainer.decode", "shardtune.trainer.evaluate"))]
         assert len(forwards) == 7
-        early_stop, output = ("to_host", "shardtune.trainer.decode:_all_ended"), ("to_host", "shardtune.trainer.evaluate:exact_match")
-        assert reads == [early_stop] * 6 + [output]
+        early_stop, output = ("to_host", "shardtune.trainer.decode:_first_all_ended"), ("to_host", "shardtune.trainer.evaluate:exact_match")
+        assert reads == [early_stop, output]
         assert run.model.config._attn_implementation == "shardtune_sdpa"  # the training attention is back
