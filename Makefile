@@ -25,8 +25,8 @@ demo: $(STAMP)
 	$(BIN)/shardtune train tiny-cpu train.resume=none  # a second `make demo` starts over (a finished run is not trained again unasked)
 
 # Two workers (pytest-xdist), each taking whole files (--dist loadfile: a module's shared trained run is made once).
-# 710.4 s for 1,144 tests in a checkout, SLURM included, on this 2-core machine (2026-12-05; 556.8 s
-# on a fresh clone on 2026-12-04 for 751 tests, and 1,098-1,117 s as two suites at once: bench/RESULTS.md); the suite read
+# 687.4 s for 1,151 tests in a checkout, SLURM included, on this 2-core machine (2026-12-05; 698.4 s
+# on a fresh clone the same day, and 1,098-1,117 s as two suites at once for 751 tests: bench/RESULTS.md); the suite read
 # 1,058-1,145 s on 2026-11-30: the host's speed moves it by nearly 2x (bench/RESULTS.md stop 53).
 # CPU-bound (96-99 % busy through a run, bench/RESULTS.md stop 48). --no-loadscope-reorder: files go out in
 # tests/conftest.py's costliest-first order, not by their number of tests (xdist's default, which put the SLURM
