@@ -12,18 +12,18 @@ Two ways to recompute, the same arithmetic:
   (nothing recorded, nothing saved but the unit's inputs); its backward runs the unit again with autograd on and
   back-propagates through that graph at once (a nested `torch.autograd.backward`: the parameters' gradients and
   their hooks fire in it, the inputs' gradients are returned). The host work is one forward without a graph plus one
-  with: on the simulated GPU's 1B LoRA step it takes 0.70x the host CPU of the non-reentrant checkpoint below
+  with: on the simulated GPU's 1B LoRA step it takes 0.68x the host CPU of the non-reentrant checkpoint below
   (bench/RESULTS.md), whose saved-tensor hooks run Python for each of a block's ~54 saved tensors twice and which
-  records the forward's graph as well as the recompute's. It recomputes the whole unit (the non-reentrant one stops
-  at the last tensor backward reads): ~2 more kernels a unit.
-- non-reentrant `torch.utils.checkpoint`: for everything the recompute cannot replay, a unit that (1) draws random
-  numbers (dropout: the non-reentrant checkpoint restores the RNG), (2) holds a MoE router, whose outputs
-  RouterBalance records during the grad-enabled forward (a forward with autograd off would record nothing), (3) is
-  compiled (engine/compile.py runs its graph only with autograd on), (4) has its inputs offloaded
-  (offload_activations.py hooks exactly the inputs that checkpoint saves), or (5) runs under FSDP2
-  (`engine.backend=torch` is run the way torchtitan runs it), or (6) has its MLP and norms cut into checkpointed chunks
-  of the sequence (`engine.mlp_chunk_tokens`, model/tiled_mlp.py): the non-reentrant recompute stops before them and
-  only their own recompute runs them again, where a whole replay would run every chunk a third time.
+  records the forward's graph as well as the recompute's. It replays the whole unit (the non-reentrant one stops at
+  the last tensor backward reads): 1 more kernel a decoder block. Its backward holds the unit's incoming gradient
+  until the unit's own backward is done: one b·s·h more (plan: Setup.recomputes).
+- non-reentrant `torch.utils.checkpoint` everywhere else. Recipe-wide (`engine_recomputes`): FSDP2
+  (`engine.backend=torch`, run the way torchtitan runs it), compiled units (engine/compile.py runs its graph only with
+  autograd on), an NF4 base (its peak under the Function is not modelled by the plan); offloaded inputs
+  (offload_activations.py hooks exactly the inputs that checkpoint saves). Per unit (`replayable`): dropout (the
+  non-reentrant checkpoint restores the RNG), a MoE router (RouterBalance records its outputs during the
+  grad-enabled forward), an MLP and norms cut into checkpointed chunks of the sequence (`engine.mlp_chunk_tokens`,
+  model/tiled_mlp.py: the non-reentrant recompute stops before them, a whole replay would run each a third time).
 """
 from __future__ import annotations
 
@@ -58,6 +58,11 @@ def apply_activation_checkpointing(model: nn.Module, unit_classes: tuple[type[nn
     return chosen
 
 
+def engine_recomputes(*, backend: str, compile: bool, nf4: bool) -> bool:
+    """The recipe's half of the choice (module docstring), shared by trainer/parallelize.py and plan's Setup."""
+    return backend == "shardtune" and not compile and not nf4
+
+
 def replayable(unit: nn.Module) -> bool:
     """Whether running `unit` again gives what its forward gave, with no side effect a no-grad forward would skip:
     no dropout (active or not: a recipe may turn it on for a later phase), no MoE router, no chunks checkpointed
@@ -67,7 +72,6 @@ def replayable(unit: nn.Module) -> bool:
 
     if unit.__dict__.get(SEQUENCE_CHUNKED):
         return False
-
     for m in unit.modules():
         if isinstance(m, nn.Dropout) and m.p > 0:
             return False

@@ -160,13 +160,13 @@ def _forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     drop = self._modules["lora_dropout"]._modules[ADAPTER]
     x_adapter = drop(x) if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0 else None
     a, b = _adapters(self)
+    scaling, cast = float(self.scaling[ADAPTER]), compute_adapters(self, a, b, x.dtype)
     if not torch.is_grad_enabled():
         # No graph to record (a checkpointed unit's forward: engine/checkpointing.py; eval): the same arithmetic
         # without the Function's bookkeeping, host time every adapted Linear of every forward pays
-        return _lora_linear(x, base.weight, base.bias, float(self.scaling[ADAPTER]), x_adapter,
-                            *compute_adapters(self, a, b, x.dtype))[0]
-    return LoraLinearFunction.apply(x, base.weight, base.bias, a, b, float(self.scaling[ADAPTER]), x_adapter,
-                                    *compute_adapters(self, a, b, x.dtype), slot_for(self, a, b, x))
+        return _lora_linear(x, base.weight, base.bias, scaling, x_adapter, *cast)[0]
+    return LoraLinearFunction.apply(x, base.weight, base.bias, a, b, scaling, x_adapter, *cast,
+                                    slot_for(self, a, b, x))
 
 
 def compute_adapters(layer: nn.Module, a: torch.Tensor, b: torch.Tensor,

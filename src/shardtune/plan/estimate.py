@@ -95,7 +95,8 @@ class Setup:
     offload_activations: bool = False  # engine.offload_activations (engine/offload_activations.py)
     mlp_chunk: int = 0  # engine.mlp_chunk_tokens (model/tiled_mlp.py): tokens per MLP chunk; 0: the whole sequence
     context_parallel: int = 1  # engine.context_parallel (model/context_parallel.py): ranks splitting each row
-    replay: bool = True  # no engine.compile, no LoRA dropout: checkpointed units may take our recompute (recomputes)
+    compile: bool = False  # engine.compile
+    lora_dropout: bool = False  # lora.dropout > 0 on a LoRA run
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, world: int, nodes: int, device_is_cpu: bool) -> Setup:
@@ -117,7 +118,7 @@ class Setup:
                    shard_adapter_states=p.shard_replicated_states and ours, backend=r.engine.backend,
                    offload_activations=p.offload_activations, mlp_chunk=p.mlp_chunk_tokens,
                    context_parallel=context_parallel_size(r, world, nodes),
-                   replay=not r.engine.compile and not (r.lora.enabled and r.lora.dropout > 0))
+                   compile=r.engine.compile, lora_dropout=r.lora.enabled and r.lora.dropout > 0)
 
     @property
     def local_seq(self) -> int:
@@ -126,13 +127,16 @@ class Setup:
 
     @property
     def recomputes(self) -> bool:
-        """Checkpointed units recompute through engine/checkpointing.py's Function (trainer/parallelize.py and
-        checkpointing.replayable: our engine, not compiled, no NF4 base, no offloaded inputs, no chunks inside, no
-        dropout; MoE blocks are checked where the model is known). Its backward runs the whole unit's backward
-        while autograd still holds the unit's incoming gradient: one b·s·h more than torch's checkpoint (measured:
-        exactly one, tests/plan_accuracy.py's checkpointed rows)."""
-        return (self.backend == "shardtune" and self.replay and not self.nf4 and not self.offload_activations
-                and not self.mlp_chunk and self.checkpointing is not False)
+        """Checkpointed units recompute through engine/checkpointing.py's Function (its engine_recomputes, and the
+        unit-level `replayable` as far as the recipe tells: no offloaded inputs, no chunks inside, no dropout; MoE
+        blocks are checked where the model is known). Its backward runs the whole unit's backward while autograd
+        still holds the unit's incoming gradient: one b·s·h more than torch's checkpoint (measured: exactly one,
+        tests/plan_accuracy.py's checkpointed rows)."""
+        from shardtune.engine.checkpointing import engine_recomputes
+
+        return (engine_recomputes(backend=self.backend, compile=self.compile, nf4=self.nf4)
+                and not self.lora_dropout and not self.offload_activations and not self.mlp_chunk
+                and self.checkpointing is not False)
 
     @property
     def keeps_units(self) -> bool:

@@ -57,7 +57,8 @@ def decode_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     tokens, step_ids = [], input_ids
     ended = torch.zeros(b, dtype=torch.bool, device=device) if ended is None else ended
     every = stop_every or (STOP_EVERY if accelerator.is_accelerator(device) else 1)
-    counts: list[torch.Tensor] = []  # this rank's ended rows after each forward not read yet
+    counts: list[torch.Tensor] = []  # this rank's ended rows after each forward not read yet, from forward `unread`
+    unread = 0
     with generation_attention(model):
         for i in range(steps):
             out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -72,18 +73,16 @@ def decode_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
             mask = torch.cat([mask, mask.new_ones(b, 1)], dim=-1)
             positions = positions[:, -1:] + 1
             if stop_ids and i + 1 < steps:  # (the last forward is never read: nothing would be saved)
+                unread = unread if counts else i
                 counts.append(ended.sum())
                 if len(counts) == every:
-                    end = _first_all_ended(counts, rows, world_size)
-                    if end is not None:
-                        tokens = tokens[:i + 2 - every + end]
+                    if (end := _first_all_ended(counts, rows, world_size)) is not None:
+                        tokens = tokens[:unread + end + 1]
                         break
                     counts = []
-        else:
-            if counts:  # the forwards since the last read: where the per-token check would have stopped
-                end = _first_all_ended(counts, rows, world_size)
-                if end is not None:
-                    tokens = tokens[:steps - 1 - len(counts) + end + 1]
+        else:  # the forwards since the last read: where the per-token check would have stopped
+            if counts and (end := _first_all_ended(counts, rows, world_size)) is not None:
+                tokens = tokens[:unread + end + 1]
     return torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(b, 0)
 
 

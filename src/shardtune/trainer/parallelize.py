@@ -22,7 +22,7 @@ from shardtune import accelerator
 from shardtune.config.dtypes import DTYPES
 from shardtune.config.schema import Recipe
 from shardtune.engine.api import ShardedModel, ShardingPolicy
-from shardtune.engine.checkpointing import apply_activation_checkpointing
+from shardtune.engine.checkpointing import apply_activation_checkpointing, engine_recomputes
 from shardtune.engine.collectives import GatherSequence
 from shardtune.engine.offload_activations import ActivationOffloader
 from shardtune.engine.wrap import find_units, resolve_unit_classes
@@ -88,12 +88,10 @@ def parallelize(model: nn.Module, recipe: Recipe, *, device: torch.device, world
     ac = engine.activation_checkpointing
     if ac is not False:
         offloader = ActivationOffloader(device) if policy.offload_activations else None
-        # Our engine recomputes through one autograd Function a unit (engine/checkpointing.py); a compiled unit,
-        # FSDP2 (run as torchtitan runs it) and an NF4 base keep torch's non-reentrant checkpoint (plan: Setup.recomputes)
+        recompute = engine_recomputes(backend=engine.backend, compile=engine.compile, nf4=bool(policy.quantize_base))
         apply_activation_checkpointing(model, policy.unit_classes, every_k=1 if ac is True else int(ac),
                                        min_unit_params=policy.min_unit_params, offloader=offloader,
-                                       recompute=engine.backend == "shardtune" and not engine.compile
-                                       and not policy.quantize_base)
+                                       recompute=recompute)
     # 3. Shard last: it flattens parameters into per-unit buffers (anything after would see views, not parameters).
     #    Parameters still on meta (model.init=pretrained, or a random init built with sharded_init) are filled here:
     #    our engine fills each rank's shards only (from the files, or drawn one module at a time).
